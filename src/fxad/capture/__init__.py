@@ -1,0 +1,1 @@
+"""Capture: symbolic tracing with shape-carrying proxies, then normalization."""

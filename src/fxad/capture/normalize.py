@@ -1,0 +1,203 @@
+"""Canonicalization: one torch function per op before differentiation.
+
+After :func:`normalize`:
+
+* Python arithmetic stays operator calls (``operator.add`` prints as ``a + b``), and the
+  function/method spellings of the same ops map onto them: ``torch.add(x, y)``, ``x.add(y)``,
+  ``torch.mul``, ``x.div(y)``, ``torch.neg``, ``torch.pow``, ``torch.matmul``, ``x.matmul(y)``.
+  ``torch.add(x, y, alpha=a)`` becomes ``x + y * a``.
+* Tensor methods become the matching ``torch.*`` function when one exists with the same
+  semantics (``x.sin()`` → ``torch.sin(x)``, ``x.sum(1)`` → ``torch.sum(x, 1)``).
+* Varargs shape methods get one spelling: ``x.view(a, b)`` / ``x.reshape(a, b)`` /
+  ``x.view_as(y)`` → ``torch.reshape(x, (a, b))``; ``x.permute(1, 0)`` →
+  ``torch.permute(x, (1, 0))``; ``x.expand(a, -1)`` / ``x.expand_as(y)`` → ``x.expand((a, b))``
+  with concrete sizes; ``x.repeat(2, 1)`` → ``x.repeat((2, 1))``; ``x.flip(0)`` →
+  ``torch.flip(x, (0,))``.
+* Casts become ``x.to(dtype)`` (``float()``, ``double()``, ``half()``, ``type_as``).
+* ``torch.nn.functional.relu/tanh/sigmoid/softmax/log_softmax`` (the Python wrappers) become
+  ``torch.relu`` / ``torch.tanh`` / ``torch.sigmoid`` / ``torch.softmax`` / ``torch.log_softmax``.
+* ``x.new_zeros(shape)`` and friends become ``torch.zeros(shape, dtype=..., device=...)``.
+
+In-place operations are already rewritten out-of-place during capture (see
+:mod:`fxad.capture.tracer`).  Each rewrite is checked: the new node's fake value must have
+the old node's shape and dtype, or the node is left as it was.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .proxy import compute_meta
+
+_METHOD_TO_OPERATOR: dict[str, Callable] = {
+    "add": operator.add, "__add__": operator.add, "sub": operator.sub, "__sub__": operator.sub,
+    "mul": operator.mul, "__mul__": operator.mul, "multiply": operator.mul,
+    "div": operator.truediv, "divide": operator.truediv, "true_divide": operator.truediv,
+    "__truediv__": operator.truediv, "neg": operator.neg, "negative": operator.neg,
+    "__neg__": operator.neg, "pow": operator.pow, "__pow__": operator.pow,
+    "matmul": operator.matmul, "__matmul__": operator.matmul,
+}
+_FUNC_TO_OPERATOR: dict[Any, Callable] = {
+    torch.add: operator.add, torch.sub: operator.sub, torch.subtract: operator.sub,
+    torch.mul: operator.mul, torch.multiply: operator.mul, torch.div: operator.truediv,
+    torch.divide: operator.truediv, torch.true_divide: operator.truediv,
+    torch.neg: operator.neg, torch.negative: operator.neg, torch.pow: operator.pow,
+    torch.matmul: operator.matmul,
+}
+_F_TO_TORCH: dict[Any, Any] = {
+    F.relu: torch.relu, F.tanh: torch.tanh, F.sigmoid: torch.sigmoid,
+    F.softmax: torch.softmax, F.log_softmax: torch.log_softmax,
+}
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+          "bfloat16": torch.bfloat16}
+# methods whose torch.* namesake differs in meaning or does not exist as a plain function
+_KEEP_METHODS = {
+    "to", "contiguous", "expand", "repeat", "size", "type", "item", "tolist", "numel", "dim",
+    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "sum_to_size", "unfold",
+    "clone", "index_put", "masked_scatter", "__getitem__", "stride", "storage_offset",
+}
+_NEW_FACTORIES = {"new_zeros": torch.zeros, "new_ones": torch.ones, "new_empty": torch.empty,
+                  "new_full": torch.full}
+
+
+def _shape_arg(args: tuple) -> tuple:
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return tuple(args[0])
+    return tuple(args)
+
+
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C901
+    """The canonical (op, target, args, kwargs) for ``node``, or None when already canonical."""
+    op, t, args, kwargs = node.op, node.target, node.args, dict(node.kwargs)
+    if op == "call_method":
+        name = t
+        if name in _METHOD_TO_OPERATOR:
+            return _arith("call_function", _METHOD_TO_OPERATOR[name], args, kwargs)
+        if name in ("view", "reshape"):
+            if len(args) == 2 and isinstance(args[1], torch.dtype):
+                return None  # x.view(dtype): a bit reinterpretation, keep
+            return ("call_function", torch.reshape, (args[0], _shape_arg(args[1:])), {})
+        if name in ("view_as", "reshape_as"):
+            return ("call_function", torch.reshape, (args[0], tuple(_val(args[1]).shape)), {})
+        if name == "permute":
+            return ("call_function", torch.permute, (args[0], _shape_arg(args[1:])), {})
+        if name == "flip":
+            return ("call_function", torch.flip, (args[0], _shape_arg(args[1:])), {})
+        if name in ("expand", "expand_as"):
+            out = tuple(_val(node).shape)
+            if name == "expand" and tuple(args[1:]) == (out,) and not kwargs:
+                return None
+            return ("call_method", "expand", (args[0], out), {})
+        if name == "repeat":
+            sizes = _shape_arg(args[1:])
+            if tuple(args[1:]) == (sizes,):
+                return None
+            return ("call_method", "repeat", (args[0], sizes), {})
+        if name in _CASTS and len(args) == 1 and not kwargs:
+            return ("call_method", "to", (args[0], _CASTS[name]), {})
+        if name == "type_as":
+            return ("call_method", "to", (args[0], _val(args[1]).dtype), {})
+        if name in _NEW_FACTORIES:
+            base = _val(args[0])
+            kw = {"dtype": kwargs.pop("dtype", base.dtype), "device": kwargs.pop("device", base.device)}
+            kw.update(kwargs)
+            rest = args[1:]
+            if name == "new_full":
+                return ("call_function", torch.full, (tuple(rest[0]), rest[1]), kw)
+            return ("call_function", _NEW_FACTORIES[name], (_shape_arg(rest),), kw)
+        if name in _KEEP_METHODS or name.startswith("_"):
+            return None
+        fn = getattr(torch, name, None)
+        if fn is not None and callable(fn) and not isinstance(fn, type):
+            return ("call_function", fn, tuple(args), kwargs)
+        return None
+    if op == "call_function":
+        if t in _FUNC_TO_OPERATOR:
+            if t in (torch.div, torch.Tensor.div) and kwargs.get("rounding_mode") is not None:
+                return None
+            return _arith(op, _FUNC_TO_OPERATOR[t], args, kwargs)
+        if t in _F_TO_TORCH:
+            kwargs.pop("inplace", None)
+            if t in (F.softmax, F.log_softmax):
+                kwargs.pop("_stacklevel", None)
+                if kwargs.get("dtype", 0) is None:
+                    kwargs.pop("dtype")
+                dim = kwargs.pop("dim", args[1] if len(args) > 1 else None)
+                if dim is None:
+                    return None  # implicit-dim legacy form: leave for the F.* rule
+                return (op, _F_TO_TORCH[t], (args[0], dim), kwargs)
+            return (op, _F_TO_TORCH[t], tuple(args[:1]), kwargs)
+        if getattr(t, "__name__", None) in _METHOD_TO_OPERATOR and isinstance(
+                t, type(torch.Tensor.add)) and t is getattr(torch.Tensor, t.__name__, None):
+            return _arith(op, _METHOD_TO_OPERATOR[t.__name__], args, kwargs)
+    return None
+
+
+def _arith(op: str, target: Callable, args: tuple, kwargs: dict) -> tuple | None:
+    kwargs = dict(kwargs)
+    if "other" in kwargs and len(args) == 1:
+        args = (args[0], kwargs.pop("other"))
+    if "input" in kwargs and not args:
+        args = (kwargs.pop("input"),) + tuple(args)
+    if "exponent" in kwargs and len(args) == 1:
+        args = (args[0], kwargs.pop("exponent"))
+    alpha = kwargs.pop("alpha", 1)
+    if kwargs:
+        return None
+    if alpha != 1:
+        if target not in (operator.add, operator.sub):
+            return None
+        return ("alpha", target, tuple(args), {"alpha": alpha})
+    return (op, target, tuple(args), {})
+
+
+def normalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Canonicalize ``gm``'s graph in place (see module docstring) and recompile it."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        canon = _canonical(node)
+        if canon is None:
+            continue
+        op, target, args, kwargs = canon
+        with g.inserting_before(node):
+            if op == "alpha":
+                scaled = _make(gm, g, "call_function", operator.mul, (args[1], kwargs["alpha"]), {},
+                               node, check=False)
+                if scaled is None:
+                    continue
+                new = _make(gm, g, "call_function", target, (args[0], scaled), {}, node)
+            else:
+                new = _make(gm, g, op, target, args, kwargs, node)
+        if new is None:
+            continue
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def _make(gm: fx.GraphModule, g: fx.Graph, op: str, target: Any, args: tuple, kwargs: dict,
+          like: fx.Node, check: bool = True) -> fx.Node | None:
+    try:
+        val = compute_meta(gm, op, target, args, kwargs)
+    except Exception:
+        return None
+    old = like.meta.get("val")
+    if check and isinstance(old, torch.Tensor):
+        if not isinstance(val, torch.Tensor) or val.shape != old.shape or val.dtype != old.dtype:
+            return None
+    new = g.create_node(op, target, args, kwargs)
+    new.meta = {k: v for k, v in like.meta.items()}
+    new.meta["val"] = val
+    return new

@@ -1,0 +1,381 @@
+"""Shape-carrying proxies and the graph emitter shared by capture and the AD transforms.
+
+Every node fxad creates gets ``node.meta["val"]``: a :class:`FakeTensor` (no storage, real
+shape/dtype/device), a tuple/list of them, or a plain Python value.  Shape queries on a
+:class:`TensorProxy` (``x.shape``, ``x.size(0)``, ``x.dim()``, ``len(x)``, ``x.dtype``) answer
+from that fake value, so code that branches on shapes traces and specializes on the example
+shapes.  Anything that needs tensor *data* (``bool(x)``, ``x.item()``, ``x.tolist()``) raises
+:class:`~fxad.errors.DataDependentError` naming the user's source line.
+
+Node meta keys written here:
+
+``val``
+    fake value of the node's result (see above).
+``fxad_loc``
+    :class:`~fxad.errors.SourceLoc` of the user's line that created the node (capture only).
+``stack_trace``
+    the same location in the format torch.fx uses, so FX tooling shows it too.
+``fxad_bwd_of``
+    set by the reverse transform on backward nodes: name of the forward node they differentiate.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError, DataDependentError, SourceLoc
+
+_FAKE_MODE: FakeTensorMode | None = None
+_LOCK = threading.Lock()
+
+
+def fake_mode() -> FakeTensorMode:
+    """The process-wide fake mode all fxad metadata lives in (static shapes, no ShapeEnv)."""
+    global _FAKE_MODE
+    with _LOCK:
+        if _FAKE_MODE is None:
+            _FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
+        return _FAKE_MODE
+
+
+def to_fake(value: Any) -> Any:
+    """Map every real tensor in a pytree to a fake tensor with the same metadata."""
+    mode = fake_mode()
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, FakeTensor):
+            return v
+        if isinstance(v, torch.Tensor):
+            return mode.from_tensor(v, static_shapes=True)
+        return v
+
+    return pytree.tree_map(conv, value)
+
+
+def is_tensor_val(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def is_float_val(v: Any) -> bool:
+    """True for floating-point (or complex) tensors: the values fxad differentiates."""
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+_FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIP_PREFIXES = (_FXAD_DIR, _TORCH_DIR, os.path.dirname(contextlib.__file__))
+
+
+def user_source_loc() -> SourceLoc | None:
+    """Innermost stack frame outside fxad, torch and the standard library."""
+    import linecache
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = os.path.abspath(frame.f_code.co_filename)
+        if not fname.startswith(_SKIP_PREFIXES) and not fname.startswith("<frozen"):
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return SourceLoc(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, code)
+        frame = frame.f_back
+    return None
+
+
+def describe_target(kind: str, target: Any) -> str:
+    """Human-readable name of an FX target: ``torch.sin``, ``Tensor.view``, ``operator.add``."""
+    if kind == "call_method":
+        return f"Tensor.{target}"
+    if kind == "call_module":
+        return f"module {target}"
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None) or repr(target)
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith("torch._C._nn"):
+        return f"torch.nn.functional.{name}"
+    if mod.startswith("torch._C._VariableFunctions") or mod == "torch":
+        return f"torch.{name}"
+    if mod.startswith("torch._C._linalg"):
+        return f"torch.linalg.{name.removeprefix('linalg_')}"
+    if mod.startswith("torch._C._special"):
+        return f"torch.special.{name.removeprefix('special_')}"
+    if mod.startswith("torch._C._fft"):
+        return f"torch.fft.{name.removeprefix('fft_')}"
+    if mod.startswith("torch._C"):
+        # methods of torch._C.TensorBase show up as `TensorBase.add`
+        return f"torch.{name.replace('TensorBase', 'Tensor')}"
+    return f"{mod}.{name}" if mod else name
+
+
+# ---------------------------------------------------------------------------------------------
+# Proxy
+# ---------------------------------------------------------------------------------------------
+
+# Attributes that read metadata and return concrete Python values.
+_META_ATTRS = {
+    "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "layout",
+    "requires_grad", "is_leaf", "is_sparse", "is_quantized", "is_nested", "names",
+}
+# Methods that read metadata and return concrete Python values.
+_META_METHODS = {
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "element_size", "get_device",
+    "storage_offset", "has_names", "is_inference",
+}
+_DATA_METHODS = {"item", "tolist", "numpy", "data_ptr", "__index__", "__int__", "__float__"}
+
+
+class TensorProxy(fx.Proxy):
+    """An FX proxy that knows its value's fake tensor (``node.meta['val']``)."""
+
+    @property
+    def meta(self) -> Any:
+        return self.node.meta.get("val")
+
+    def __repr__(self) -> str:
+        v = self.meta
+        if isinstance(v, torch.Tensor):
+            return f"TensorProxy({self.node.name}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)})"
+        return f"TensorProxy({self.node.name})"
+
+    def __getattr__(self, k: str) -> Any:
+        if k.startswith("__") and k.endswith("__"):
+            raise AttributeError(k)
+        v = self.node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            if k in _META_ATTRS:
+                return getattr(v, k)
+            if k in _META_METHODS:
+                return getattr(v, k)
+            if k in _DATA_METHODS:
+                raise DataDependentError(
+                    f"`{self.node.name}.{k}()` needs the tensor's data, which is not available "
+                    "while tracing (fxad specializes on shapes only)",
+                    op=f"Tensor.{k}", loc=user_source_loc(),
+                    hint="keep the value as a tensor (e.g. use torch.where instead of `if`), or "
+                         "pass it as a Python number through concrete_args",
+                )
+        return fx.proxy.Attribute(self, k)
+
+    def __len__(self) -> int:
+        v = self.meta
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0:
+                raise TypeError("len() of a 0-d tensor")
+            return v.shape[0]
+        if isinstance(v, (tuple, list)):
+            return len(v)
+        raise CaptureError(f"len() of {self.node.name} with unknown length",
+                           loc=user_source_loc())
+
+    def __iter__(self) -> Iterator[Any]:
+        v = self.meta
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0:
+                raise TypeError("iteration over a 0-d tensor")
+            return iter([self[i] for i in range(v.shape[0])])
+        if isinstance(v, (tuple, list)):
+            return iter([self[i] for i in range(len(v))])
+        raise CaptureError(f"cannot iterate over {self.node.name}", loc=user_source_loc())
+
+    def __bool__(self) -> bool:
+        raise DataDependentError(
+            f"Python control flow depends on the value of tensor `{self.node.name}`",
+            op="bool(Tensor)", loc=user_source_loc(),
+            hint="fxad traces one path specialized on shapes; use torch.where/masking for "
+                 "data-dependent choices, pass the flag through concrete_args, or mark the "
+                 "enclosing module as a leaf and register a rule for it",
+        )
+
+    def __index__(self) -> int:
+        raise DataDependentError(
+            f"tensor `{self.node.name}` used as a Python integer", op="Tensor.__index__",
+            loc=user_source_loc(), hint="pass the integer through concrete_args")
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        setitem = getattr(self.tracer, "setitem", None)
+        if setitem is None:
+            raise CaptureError("item assignment is not supported here", loc=user_source_loc())
+        setitem(self, index, value)
+
+    def keys(self) -> Any:
+        v = self.meta
+        if isinstance(v, dict):
+            return v.keys()
+        return fx.proxy.Attribute(self, "keys")()
+
+    # `x.T`, `x.mT` are graph ops; fx.Proxy would create getattr nodes for them.
+    @property
+    def T(self) -> Any:  # noqa: N802
+        return self.tracer.create_proxy("call_method", "permute", (self, tuple(reversed(range(self.meta.dim())))), {})
+
+    @property
+    def mT(self) -> Any:  # noqa: N802
+        return self.tracer.create_proxy("call_method", "transpose", (self, -2, -1), {})
+
+    @property
+    def data(self) -> Any:
+        return self.tracer.create_proxy("call_method", "detach", (self,), {})
+
+
+def _val_of(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor):
+        return to_fake(a)
+    return a
+
+
+def compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
+                 args: tuple, kwargs: dict) -> Any:
+    """Run ``target`` on fake values of ``args``/``kwargs`` (Nodes replaced by their ``val``).
+
+    Raises whatever the op raises (a shape error, an unsupported dynamic-shape op).
+    """
+    _STATE.in_meta = getattr(_STATE, "in_meta", 0) + 1
+    try:
+        return _compute_meta(graph_owner, kind, target, args, kwargs)
+    finally:
+        _STATE.in_meta -= 1
+
+
+def in_meta_computation() -> bool:
+    """True while fxad runs an op on fake values (patched factories must not record then)."""
+    return getattr(_STATE, "in_meta", 0) > 0
+
+
+_STATE = threading.local()
+
+
+def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
+                  args: tuple, kwargs: dict) -> Any:
+    fargs = fx.node.map_aggregate(args, _val_of)
+    fkwargs = fx.node.map_aggregate(kwargs, _val_of)
+    mode = fake_mode()
+    if kind == "call_function":
+        with mode:
+            return target(*fargs, **fkwargs)
+    if kind == "call_method":
+        self_v, *rest = fargs
+        if isinstance(target, str) and target.endswith("_") and not target.endswith("__") \
+                and isinstance(self_v, torch.Tensor):
+            with mode:  # in-place: do not mutate the metadata of the input node
+                self_v = self_v.clone()
+        with mode:
+            return getattr(self_v, target)(*rest, **fkwargs)
+    if kind == "call_module":
+        assert graph_owner is not None
+        mod = graph_owner.get_submodule(target)
+        with mode:
+            return mod(*fargs, **fkwargs)
+    if kind == "get_attr":
+        assert graph_owner is not None
+        return to_fake(fetch_attr(graph_owner, target))
+    raise AssertionError(kind)
+
+
+def fetch_attr(root: torch.nn.Module, target: str) -> Any:
+    """``root.<target>`` without going through ``nn.Module.__getattr__`` (patched while tracing)."""
+    obj: Any = root
+    for atom in target.split("."):
+        d = obj.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            if atom in d.get(table, {}):
+                obj = d[table][atom]
+                break
+        else:
+            obj = d[atom] if atom in d else object.__getattribute__(obj, atom)
+    return obj
+
+
+class Emitter(fx.proxy.TracerBase):
+    """Appends nodes to a graph through :class:`TensorProxy` objects, computing fake values.
+
+    Used by the AD transforms and by simplifier passes to write torch-level code: calling
+    ``torch.cos(p)`` on a proxy ``p`` appends ``cos = torch.cos(p)`` with its metadata.
+
+    Args:
+        graph: the graph to append to (at its current insertion point).
+        root: module that owns the graph's ``get_attr``/``call_module`` targets.
+    """
+
+    def __init__(self, graph: fx.Graph, root: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.graph = graph
+        self.root = root
+        self.record_stack_traces = False
+        self.node_meta_defaults: dict[str, Any] = {}
+        # `fx.Tracer` attributes consulted by TracerBase.
+        self.scope = fx.proxy.Scope("", None)
+        self.module_stack: dict = {}
+        self.node_name_to_scope: dict = {}
+        self.check_mutable_operations = False
+        self.trace_asserts = False
+
+    def proxy(self, node: fx.Node) -> TensorProxy:
+        return TensorProxy(node, self)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
+        node = self.graph.create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta.update(self.node_meta_defaults)
+        return node
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,  # type: ignore[override]
+                     proxy_factory_fn=None):
+        args_ = self.create_arg(args)
+        kwargs_ = self.create_arg(kwargs)
+        val = None
+        if kind not in ("placeholder", "output"):
+            try:
+                val = compute_meta(self.root, kind, target, args_, kwargs_)
+            except (CaptureError,):
+                raise
+            except Exception as e:  # shape errors and the like, in user code or a rule
+                raise CaptureError(
+                    f"{describe_target(kind, target)} failed on the traced shapes: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                    op=describe_target(kind, target), loc=user_source_loc(),
+                ) from e
+        node = self.create_node(kind, target, args_, kwargs_, name, type_expr)
+        if kind not in ("placeholder", "output"):
+            node.meta["val"] = val
+        return self.proxy(node)
+
+    def value(self, node: fx.Node) -> TensorProxy:
+        """Wrap an existing node of this graph as a proxy."""
+        return TensorProxy(node, self)
+
+    @contextlib.contextmanager
+    def meta_defaults(self, **meta: Any) -> Iterator[None]:
+        """Stamp ``meta`` on every node created inside the block."""
+        old = dict(self.node_meta_defaults)
+        self.node_meta_defaults.update(meta)
+        try:
+            yield
+        finally:
+            self.node_meta_defaults = old
+
+    def iter(self, obj: fx.Proxy) -> Iterator:  # pragma: no cover - TensorProxy overrides
+        return iter(obj)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:  # pragma: no cover - TensorProxy overrides
+        return bool(obj)
+
+
+def unwrap(x: Any) -> Any:
+    """Proxy → Node in a pytree (for building node args by hand)."""
+    return pytree.tree_map(lambda v: v.node if isinstance(v, fx.Proxy) else v, x)
+
+
+def getitem(p: Any, i: Any) -> Any:
+    return operator.getitem(p, i)

@@ -1,0 +1,345 @@
+"""Symbolic capture of a function or ``nn.Module`` on example inputs.
+
+The tracer is a :class:`torch.fx.Tracer` whose proxies carry fake tensors (see
+:mod:`fxad.capture.proxy`).  No real computation runs: every op is executed once on
+``FakeTensor`` values to learn its result's shape and dtype.
+
+Policies:
+
+* ``torch.nn`` modules are traced *through* down to ``torch.nn.functional`` calls, so their
+  derivative rules are the functional ones (``F.linear``, ``F.layer_norm``, ``F.conv2d``...).
+  Modules whose class is in ``leaf_modules`` stay ``call_module`` nodes and need a rule
+  registered for their class (:func:`fxad.register_vjp`).
+* Parameters become ``get_attr`` nodes named after their path (``l1.weight`` → ``l1_weight``);
+  so do registered buffers.
+* Non-tensor inputs (ints, floats, bools, None, strings) are specialized: the graph keeps a
+  placeholder for them so the call signature is unchanged, but the traced code used the example
+  value.
+* Tensor constructors (``torch.zeros(n)``, ``torch.arange(T)``, ...) are recorded as graph
+  nodes rather than baked in as constants.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError, InplaceError, InputError, SourceLoc
+from .proxy import TensorProxy, compute_meta, fetch_attr, in_meta_computation, describe_target, to_fake, user_source_loc
+
+# Factory functions recorded as graph nodes (their arguments are concrete during capture).
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye",
+    "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices",
+)
+
+
+@contextlib.contextmanager
+def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def make(name: str, orig: Callable) -> Callable:
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if in_meta_computation():
+                return orig(*args, **kwargs)
+            return tracer.create_proxy("call_function", orig, args, kwargs)
+        factory.__name__ = name
+        factory.__wrapped__ = orig  # type: ignore[attr-defined]
+        return factory
+
+    try:
+        for name, orig in originals.items():
+            setattr(torch, name, make(name, orig))
+        yield
+    finally:
+        for name, orig in originals.items():
+            setattr(torch, name, orig)
+
+
+def _has_tensor(x: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(x))
+
+
+class CaptureTracer(fx.Tracer):
+    """FX tracer with shape-carrying proxies; see the module docstring for its policies."""
+
+    def __init__(self, example_inputs: Sequence[Any], leaf_modules: Iterable[type] = ()) -> None:
+        super().__init__(autowrap_modules=(), param_shapes_constant=False)
+        self.example_inputs = list(example_inputs)
+        self.leaf_types = tuple(leaf_modules)
+        self.proxy_buffer_attributes = True
+        self.record_stack_traces = False
+        self.input_names: list[str] = []
+        self.mutations: list[tuple[fx.Node, fx.Node, str, SourceLoc | None]] = []
+
+    # -- proxies ---------------------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> TensorProxy:
+        return TensorProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,  # type: ignore[override]
+                     proxy_factory_fn=None):
+        if kind == "call_method" and _is_inplace_method(target) and args \
+                and isinstance(args[0], TensorProxy):
+            return self._inplace_method(target, args, kwargs)
+        if kind == "call_function" and kwargs.get("inplace") is True and args \
+                and isinstance(args[0], TensorProxy):
+            kwargs = {**kwargs, "inplace": False}
+            new = self._record(kind, target, args, kwargs, name)
+            return self._rebind(args[0], new, describe_target(kind, target))
+        return self._record(kind, target, args, kwargs, name)
+
+    # -- in-place operations -------------------------------------------------------------------
+    def _inplace_method(self, target: str, args: tuple, kwargs: dict) -> TensorProxy:
+        self_p: TensorProxy = args[0]
+        node = self_p.node
+        if node.op == "get_attr" and not _is_trainable_param(self.root, node.target):
+            # a buffer update such as BatchNorm's `num_batches_tracked.add_(1)`: keep the side
+            # effect exactly as eager PyTorch runs it; it is not on a differentiation path.
+            p = self._record("call_method", target, args, kwargs, None)
+            p.node.meta["fxad_side_effect"] = True
+            return p
+        oop = _OUT_OF_PLACE.get(target, target[:-1])
+        if isinstance(oop, str):
+            new = self._record("call_method", oop, args, kwargs, None)
+        else:
+            new = oop(self, args, kwargs)
+        return self._rebind(self_p, new, f"Tensor.{target}")
+
+    def setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
+        from ..ops import setitem as functional_setitem
+        new = self._record("call_function", functional_setitem, (x, index, value), {}, "setitem")
+        self._rebind(x, new, "Tensor.__setitem__")
+
+    def _rebind(self, old: TensorProxy, new: TensorProxy, what: str) -> TensorProxy:
+        """Make the Python object ``old`` stand for the result of the out-of-place ``new``."""
+        loc = user_source_loc()
+        onode = old.node
+        if onode.op == "placeholder" or _storage(onode) in self._input_storages():
+            raise InplaceError(
+                f"{what} modifies the input `{onode.name}` (or a view of it) in place",
+                op=what, loc=loc,
+                hint="write the result to a new variable (y = x + 1) instead of mutating the input")
+        if onode.op == "get_attr":
+            raise InplaceError(f"{what} modifies the trainable parameter `{onode.target}` in place",
+                               op=what, loc=loc, hint="compute a new tensor instead")
+        self.mutations.append((onode, new.node, what, loc))
+        old.node = new.node
+        return old
+
+    def _input_storages(self) -> set:
+        return {_storage(n) for n in self.graph.nodes if n.op == "placeholder"} - {None}
+
+    def _check_aliases(self) -> None:
+        """Refuse mutations whose effect would be visible through another alias (a view)."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for old, new, what, loc in self.mutations:
+            sid = _storage(old)
+            if sid is None:
+                continue
+            for n in self.graph.nodes:
+                if order[n] >= order[new]:
+                    break
+                if n is old or _storage(n) != sid:
+                    continue
+                late = [u for u in n.users if order[u] > order[new]]
+                if late:
+                    raise InplaceError(
+                        f"{what} mutates `{old.name}`, which shares memory with `{n.name}`; "
+                        f"`{n.name}` is used afterwards (by `{late[0].name}`), so an out-of-place "
+                        "rewrite would change the result",
+                        op=what, loc=loc,
+                        hint="mutate the base tensor with indexing (base[idx] = value), or clone "
+                             "before mutating")
+
+    def _record(self, kind, target, args, kwargs, name):  # noqa: C901
+        loc = user_source_loc()
+        args_ = self.create_arg(args)
+        kwargs_ = self.create_arg(kwargs)
+        val = None
+        if kind not in ("placeholder", "output", "get_attr"):
+            try:
+                val = compute_meta(self.root, kind, target, args_, kwargs_)
+            except CaptureError:
+                raise
+            except Exception as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                dyn = "DynamicOutputShape" in type(e).__name__ or "data-dependent" in str(e) \
+                    or "DataDependent" in type(e).__name__
+                raise CaptureError(
+                    f"{describe_target(kind, target)} cannot be traced on the example shapes: "
+                    f"{type(e).__name__}: {msg}",
+                    op=describe_target(kind, target), loc=loc,
+                    hint=("the output shape depends on tensor data; fxad needs static shapes "
+                          "(mark the enclosing module as a leaf and register a rule)") if dyn else
+                         "check the shapes of the example inputs",
+                ) from e
+        node = self.create_node(kind, target, args_, kwargs_, name, None)
+        if kind not in ("placeholder", "output"):
+            if kind != "get_attr":
+                node.meta["val"] = val
+            if loc is not None:
+                _set_loc(node, loc)
+        return self.proxy(node)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "get_attr":  # parameters, buffers and tensor constants
+            node.meta["val"] = compute_meta(self.root, kind, target, (), {})
+        return node
+
+    # -- policies ----------------------------------------------------------------------------
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return bool(self.leaf_types) and isinstance(m, self.leaf_types)
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
+        fn = inspect.unwrap(root_fn)
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        if is_module:
+            params = params[1:]
+        names = _input_names(params, len(self.example_inputs))
+        values: list[Any] = []
+        self.input_names = []
+        for name, example in zip(names, self.example_inputs):
+            ph = self.create_proxy("placeholder", name, (), {})
+            ph.node.meta["val"] = to_fake(example)
+            ph.node.meta["fxad_input"] = True
+            self.input_names.append(ph.node.name)
+            values.append(ph if _has_tensor(example) else example)
+        root = self.root
+
+        def run(*_ignored):  # no annotations: fx copies the return annotation
+            with _record_factories(self):
+                if is_module:
+                    return root_fn(root, *values)
+                return root_fn(*values)
+
+        run.__globals__  # noqa: B018 - fx reads __globals__ of the returned fn
+        return run, []
+
+
+def _is_inplace_method(name: Any) -> bool:
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
+def _storage(node: fx.Node) -> Any:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        try:
+            return v.untyped_storage()._cdata
+        except Exception:
+            return None
+    return None
+
+
+def _is_trainable_param(root: torch.nn.Module, target: str) -> bool:
+    obj = fetch_attr(root, target)
+    return isinstance(obj, torch.nn.Parameter) and obj.requires_grad
+
+
+def _zero_(tr: CaptureTracer, args: tuple, kwargs: dict) -> TensorProxy:
+    return tr._record("call_function", torch.zeros_like, (args[0],), {}, None)
+
+
+def _fill_(tr: CaptureTracer, args: tuple, kwargs: dict) -> TensorProxy:
+    return tr._record("call_function", torch.full_like, (args[0], args[1]), {}, None)
+
+
+def _copy_(tr: CaptureTracer, args: tuple, kwargs: dict) -> TensorProxy:
+    x, src = args[0], args[1]
+    if isinstance(src, TensorProxy):
+        src = tr._record("call_method", "to", (src, x.meta.dtype), {}, None)
+        return tr._record("call_method", "expand", (src, tuple(x.meta.shape)), {}, None)
+    return tr._record("call_function", torch.full_like, (x, src), {}, None)
+
+
+# in-place method -> out-of-place method name, or a builder
+_OUT_OF_PLACE: dict[str, Any] = {"zero_": _zero_, "fill_": _fill_, "copy_": _copy_}
+
+
+def _set_loc(node: fx.Node, loc: SourceLoc) -> None:
+    node.meta["fxad_loc"] = loc
+    node.meta["stack_trace"] = (
+        f'  File "{loc.filename}", line {loc.lineno}, in {loc.function}\n    {loc.code}\n')
+
+
+def _input_names(params: list[inspect.Parameter], n: int) -> list[str]:
+    names: list[str] = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            while len(names) < n:
+                names.append(f"{p.name}_{len(names)}")
+            break
+        if len(names) == n:
+            break
+    if len(names) < n:
+        raise InputError(f"{n} example inputs given but the function takes {len(names)} "
+                         "positional arguments")
+    return names
+
+
+def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
+            leaf_modules: Iterable[type] = ()) -> fx.GraphModule:
+    """Trace ``f`` on ``example_inputs`` into a torch-level GraphModule (not yet normalized).
+
+    Args:
+        f: a function of tensors (pytrees allowed) or an ``nn.Module``.
+        example_inputs: positional example inputs; tensors give shapes/dtypes only.
+        leaf_modules: module classes kept as ``call_module`` nodes.
+
+    Returns:
+        GraphModule whose placeholders are named after ``f``'s parameters and whose nodes carry
+        ``meta['val']`` (fake values) and ``meta['fxad_loc']`` (user source line).
+
+    Raises:
+        CaptureError: an op fails on the example shapes, data-dependent control flow, etc.
+    """
+    if isinstance(f, fx.GraphModule) and all("val" in n.meta for n in f.graph.nodes
+                                            if n.op not in ("placeholder", "output")):
+        return _recapture_graphmodule(f, example_inputs)
+    tracer = CaptureTracer(example_inputs, leaf_modules)
+    if isinstance(f, torch.nn.Module):
+        root: torch.nn.Module = f
+        name = type(f).__name__
+    elif callable(f):
+        root = torch.nn.Module()
+        name = getattr(f, "__name__", "f")
+    else:
+        raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
+    try:
+        graph = tracer.trace(f)
+    except fx.proxy.TraceError as e:
+        raise CaptureError(str(e), loc=user_source_loc()) from e
+    tracer._check_aliases()
+    gm = fx.GraphModule(tracer.root, graph, class_name=name)
+    gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
+    gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
+    return gm
+
+
+def _recapture_graphmodule(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """A GraphModule fxad produced (metadata present): re-use its graph with fresh input meta."""
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(example_inputs):
+        raise InputError(f"the GraphModule takes {len(phs)} inputs, {len(example_inputs)} given")
+    it = iter(example_inputs)
+    for n in gm.graph.nodes:
+        new = new_graph.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        if n.op == "placeholder":
+            new.meta["val"] = to_fake(next(it))
+            new.meta["fxad_input"] = True
+        elif n.op != "output":
+            new.meta["val"] = compute_meta(gm, n.op, n.target, new.args, new.kwargs)
+        env[n] = new
+    out = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
+    out.meta.update(gm.meta)
+    return out

@@ -1,0 +1,195 @@
+"""The derivative-rule registry: one typed table, one way to register.
+
+Rule contract (stated once, here)
+---------------------------------
+A rule for op ``f`` is a :class:`Rule` with
+
+``fwd(*args, **kwargs) -> (value, aux)``
+    Called with the op's arguments, where tensors are proxies that write graph code.  It
+    must return the op's value (normally by calling ``f`` itself) and ``aux``: any Python
+    structure of residuals (saved tensors, shapes, flags) the backward needs.
+``bwd(aux, d_out) -> cotangents``
+    ``d_out`` is the cotangent of the value (a tensor proxy; for tuple-valued ops a tuple
+    whose unused entries are ``None``).  Returns one cotangent per parameter of ``fwd``'s
+    signature, in signature order (a tuple; a shorter tuple means trailing ``None``), or a
+    dict ``{param_name: cotangent}``.  Use ``None`` for non-differentiable or zero
+    cotangents; for a list parameter (``torch.cat(tensors)``) return a list.  Cotangents may
+    have the *broadcast* shape of the value: the engine reduces them to each input's shape and
+    dtype and accumulates fan-out, so rules never call ``sum_to_size`` themselves.
+``jvp(primals, tangents) -> (value, tangent)`` (optional)
+    Forward-mode counterpart, kept beside the VJP.
+``samples(dtype) -> iterable of (args, kwargs)`` (optional)
+    Example inputs used by the rule tests.
+
+Rule bodies are written in the public torch API: what they call is what the user reads in
+the generated code.
+
+Keys are the Python callables of the canonical graph: ``torch.sin``, ``operator.add``,
+``torch.nn.functional.layer_norm``, ``torch.Tensor.expand`` (for ``x.expand(...)`` method
+calls), or an ``nn.Module`` subclass for user leaf modules.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import MissingRuleError, RuleError, SourceLoc
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered derivative rule (see the module docstring for the contract).
+
+    Attributes:
+        op: the registry key.
+        fwd: forward ``(*args, **kwargs) -> (value, aux)``.
+        bwd: backward ``(aux, d_out) -> cotangents``.
+        jvp: optional forward-mode rule.
+        samples: optional sample-input generator for tests.
+        source: where the formula comes from (textbook identity, paper, derivatives.yaml).
+        params: parameter names of ``fwd`` (cotangents are matched to these).
+        builtin: True for rules shipped with fxad.
+    """
+
+    op: Any
+    fwd: Callable[..., tuple[Any, Any]]
+    bwd: Callable[[Any, Any], Any]
+    jvp: Callable[..., Any] | None = None
+    samples: Callable[..., Iterable[Any]] | None = None
+    source: str = ""
+    params: tuple[str, ...] = field(default=())
+    builtin: bool = False
+
+    @property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.fwd)
+
+
+_RULES: dict[Any, Rule] = {}
+
+
+def op_name(op: Any) -> str:
+    """Printable name of a registry key."""
+    if isinstance(op, type):
+        return f"{op.__module__}.{op.__qualname__}"
+    from ..capture.proxy import describe_target
+
+    return describe_target("call_function", op)
+
+
+def _validate(op: Any, fwd: Any, bwd: Any) -> tuple[str, ...]:
+    if not callable(fwd) or not callable(bwd):
+        raise RuleError(f"rule for {op_name(op)}: fwd and bwd must be callables")
+    try:
+        sig = inspect.signature(fwd)
+    except (TypeError, ValueError) as e:
+        raise RuleError(f"rule for {op_name(op)}: cannot read the signature of fwd") from e
+    try:
+        bsig = inspect.signature(bwd)
+        bsig.bind(None, None)
+    except TypeError as e:
+        raise RuleError(f"rule for {op_name(op)}: bwd must take exactly (aux, d_out)") from e
+    except ValueError:
+        pass
+    return tuple(sig.parameters)
+
+
+def add_rule(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = None,
+             samples: Callable | None = None, source: str = "", builtin: bool = False,
+             replace: bool = False) -> Rule:
+    """Register a rule.  Raises :class:`RuleError` on a duplicate (unless ``replace``)."""
+    if op is None:
+        raise RuleError("cannot register a rule for None")
+    if op in _RULES and not replace:
+        raise RuleError(
+            f"a derivative rule for {op_name(op)} is already registered; pass replace=True to "
+            "override it deliberately")
+    params = _validate(op, fwd, bwd)
+    rule = Rule(op=op, fwd=fwd, bwd=bwd, jvp=jvp, samples=samples, source=source,
+                params=params, builtin=builtin)
+    _RULES[op] = rule
+    return rule
+
+
+def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = None, *,
+                 jvp: Callable | None = None, samples: Callable | None = None,
+                 source: str = "", replace: bool = False) -> Any:
+    """Register a VJP rule for ``op`` (a function, a ``torch.Tensor`` method, or a module class).
+
+    Two spellings::
+
+        fxad.register_vjp(my_op, fwd=my_fwd, bwd=my_bwd)
+
+        @fxad.register_vjp(my_op)
+        class MyOpRule:
+            def fwd(x, y):                  # same parameters as my_op
+                out = my_op(x, y)
+                return out, (x, y)          # (value, aux)
+            def bwd(aux, d_out):
+                x, y = aux
+                return d_out * y, d_out * x # one cotangent per fwd parameter
+            # optional: def jvp(primals, tangents) / samples / source = "..."
+
+    For a module class marked as a leaf (``leaf_modules=``), ``fwd`` receives the module
+    instance first and must return ``{param_name: cotangent}`` for it in ``bwd``.
+
+    Raises:
+        RuleError: ``op`` already has a rule (pass ``replace=True``), or fwd/bwd are malformed.
+    """
+    if fwd is not None or bwd is not None:
+        if fwd is None or bwd is None:
+            raise RuleError(f"register_vjp({op_name(op)}): give both fwd= and bwd=")
+        return add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, replace=replace)
+
+    def deco(obj: Any) -> Any:
+        f = obj.__dict__.get("fwd") if isinstance(obj, type) else None
+        b = obj.__dict__.get("bwd") if isinstance(obj, type) else None
+        if f is None or b is None:
+            raise RuleError(f"@register_vjp({op_name(op)}) expects a class defining fwd and bwd")
+        f, b = _unwrap_static(f), _unwrap_static(b)
+        j = _unwrap_static(obj.__dict__.get("jvp", jvp))
+        s = _unwrap_static(obj.__dict__.get("samples", samples))
+        src = obj.__dict__.get("source", source) or (inspect.getdoc(obj) or "")
+        add_rule(op, f, b, jvp=j, samples=s, source=src, replace=replace)
+        return obj
+
+    return deco
+
+
+def _unwrap_static(f: Any) -> Any:
+    return f.__func__ if isinstance(f, (staticmethod, classmethod)) else f
+
+
+def lookup(op: Any) -> Rule | None:
+    """The rule registered for ``op``, or None."""
+    try:
+        return _RULES.get(op)
+    except TypeError:  # unhashable target
+        return None
+
+
+def unregister(op: Any) -> None:
+    """Remove a rule (mainly for tests of user-registered rules)."""
+    _RULES.pop(op, None)
+
+
+def all_rules() -> dict[Any, Rule]:
+    """A copy of the registry."""
+    return dict(_RULES)
+
+
+def missing_rule(op_desc: str, loc: SourceLoc | None, *, module: bool = False) -> MissingRuleError:
+    hint = (
+        f"register a rule: @fxad.register_vjp({op_desc}) on a class with fwd(...)->(value, aux) "
+        "and bwd(aux, d_out)->cotangents"
+    )
+    if module:
+        hint += ", or stop marking this module as a leaf so fxad traces through it"
+    return MissingRuleError(f"no derivative rule for {op_desc}", op=op_desc, loc=loc, hint=hint)
+
+
+def is_float_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
