@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 
 
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
@@ -21,6 +22,8 @@ def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     Returns:
         New tensor, same shape/dtype/device as ``x``; ``x`` is not modified.
     """
+    if isinstance(x, torch.fx.Proxy):  # called by a rule while writing graph code
+        return x.tracer.create_proxy("call_function", setitem, (x, index, value), {})
     out = x.clone()
     out[index] = value
     return out

@@ -234,10 +234,23 @@ class ReverseTransform:
         self.cots[target] = ct if prev is None else prev + ct
 
     def _unbroadcast(self, ct: TensorProxy, like: torch.Tensor) -> TensorProxy:
-        cv = ct.meta
-        if tuple(cv.shape) != tuple(like.shape):
-            ct = ct.sum_to_size(tuple(like.shape))
-        if cv.dtype != like.dtype:
+        """Bring a cotangent to its primal's shape and dtype.
+
+        Broadcast dimensions are summed away (``sum_to_size``); a cotangent with size-1 or
+        missing dimensions (from a reduction rule) is expanded (``expand``).
+        """
+        cs, ls = tuple(ct.meta.shape), tuple(like.shape)
+        if cs != ls:
+            k = len(ls)
+            aligned = cs[len(cs) - k:] if len(cs) >= k else (1,) * (k - len(cs)) + cs
+            reduced = tuple(1 if lsz == 1 else csz for csz, lsz in zip(aligned, ls))
+            if len(cs) > k or reduced != aligned:
+                if len(cs) < k:
+                    ct = torch.reshape(ct, aligned)
+                ct = ct.sum_to_size(reduced)
+            if reduced != ls:
+                ct = ct.expand(ls)
+        if ct.meta.dtype != like.dtype:
             ct = ct.to(like.dtype)
         return ct
 
@@ -249,16 +262,39 @@ class ReverseTransform:
         self.cot_placeholders: list[Any] = []
         insert_at = last_ph
         for leaf in leaves:
-            if isinstance(leaf, fx.Node) and is_float(leaf.meta.get("val")):
+            val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+            if isinstance(leaf, fx.Node) and is_float(val):
                 with self.graph.inserting_after(insert_at):
                     ph = self.graph.placeholder(f"d_{leaf.name}")
-                ph.meta["val"] = leaf.meta["val"]
+                ph.meta["val"] = val
                 ph.meta["fxad_cotangent"] = True
                 insert_at = ph
                 cot_names.append(ph.name)
                 p = self.em.value(ph)
                 self.cot_placeholders.append(p)
                 self._accumulate(leaf, p)
+            elif isinstance(leaf, fx.Node) and isinstance(val, _STRUCT) and has_float(val):
+                # a tuple-valued node returned as is (torch.split(x, 2)): one cotangent per
+                # floating element
+                parts, spec = pytree.tree_flatten(val)
+                cts: list[Any] = []
+                for i, part in enumerate(parts):
+                    if not is_float(part):
+                        cts.append(None)
+                        continue
+                    with self.graph.inserting_after(insert_at):
+                        ph = self.graph.placeholder(f"d_{leaf.name}_{i}")
+                    ph.meta["val"] = part
+                    ph.meta["fxad_cotangent"] = True
+                    insert_at = ph
+                    cot_names.append(ph.name)
+                    p = self.em.value(ph)
+                    self.cot_placeholders.append(p)
+                    cts.append(p)
+                ct_struct = pytree.tree_unflatten(cts, spec)
+                if isinstance(ct_struct, tuple) and not type(ct_struct) is tuple:
+                    ct_struct = tuple(ct_struct)
+                self._accumulate(leaf, ct_struct)
             else:
                 self.cot_placeholders.append(None)
         for entry in reversed(self.tape):
@@ -418,9 +454,12 @@ def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool) -> tuple[fx.Graph,
     Returns:
         (graph, info) with ``info`` holding ``cotangent_names``, ``param_names``.
     """
+    from ..capture.tracer import _record_factories
+
     tr = ReverseTransform(gm, with_params=with_params)
-    inputs, out_node = tr.forward()
-    cot_names = tr.backward(out_node)
+    with _record_factories(tr.em):  # torch.zeros(...) inside rules writes graph code
+        inputs, out_node = tr.forward()
+        cot_names = tr.backward(out_node)
     outputs = tr._load(out_node.args[0])
     input_grads = tuple(tr.gradient_of(n) for n in inputs)
     result: tuple = (outputs, input_grads)

@@ -24,6 +24,7 @@ the old node's shape and dtype, or the node is left as it was.
 """
 from __future__ import annotations
 
+import builtins
 import operator
 from typing import Any, Callable
 
@@ -120,6 +121,13 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             return ("call_function", fn, tuple(args), kwargs)
         return None
     if op == "call_function":
+        if t is builtins.getattr and len(args) == 2 and isinstance(args[1], str):
+            # `torch.max(x, 1).values`: named field of a torch.return_types tuple -> index
+            v = _val(args[0])
+            fields = getattr(type(v), "_fields", None) or _structseq_fields(v)
+            if fields and args[1] in fields:
+                return (op, operator.getitem, (args[0], fields.index(args[1])), {})
+            return None
         if t in _FUNC_TO_OPERATOR:
             if t in (torch.div, torch.Tensor.div) and kwargs.get("rounding_mode") is not None:
                 return None
@@ -139,6 +147,18 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
                 t, type(torch.Tensor.add)) and t is getattr(torch.Tensor, t.__name__, None):
             return _arith(op, _METHOD_TO_OPERATOR[t.__name__], args, kwargs)
     return None
+
+
+def _structseq_fields(v: Any) -> tuple[str, ...] | None:
+    n = getattr(type(v), "n_fields", None)
+    if n is None:
+        return None
+    names = [k for k in dir(type(v)) if not k.startswith("_") and k not in
+             ("count", "index", "n_fields", "n_sequence_fields", "n_unnamed_fields")]
+    try:
+        return tuple(sorted(names, key=lambda k: [x is getattr(v, k) for x in v].index(True)))
+    except ValueError:
+        return None
 
 
 def _arith(op: str, target: Callable, args: tuple, kwargs: dict) -> tuple | None:

@@ -1,0 +1,25 @@
+"""fxad: readable source-to-source automatic differentiation for PyTorch, built on torch.fx.
+
+>>> import torch, fxad
+>>> g = fxad.vjp(lambda x: torch.sin(x) + x, torch.randn(3))
+>>> out, (d_x,) = g(torch.zeros(3), torch.ones(3))
+>>> d_x
+tensor([2., 2., 2.])
+"""
+from __future__ import annotations
+
+from . import rules as _rules  # noqa: F401  (registers the built-in rules)
+from .api import ModeWarning, code_with_shapes, grad, show, trace, vjp
+from .check import CheckReport, check
+from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
+                     InputError, MissingRuleError, RuleError, SourceLoc)
+from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
+    "all_rules", "unregister", "Rule", "CheckReport", "ModeWarning", "FxadError",
+    "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
+    "CheckError", "InputError", "SourceLoc",
+]

@@ -1,0 +1,216 @@
+"""Public entry points: :func:`trace`, :func:`vjp`, :func:`grad`, :func:`show`.
+
+The checker lives in :mod:`fxad.check`.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from typing import Any, Callable, Iterable, TextIO
+
+import torch
+import torch.fx as fx
+
+from . import codegen
+from .ad.reverse import build_vjp_graph, is_float
+from .capture.normalize import normalize
+from .capture.proxy import Emitter
+from .capture.tracer import capture
+from .errors import InputError
+from .simplify import simplify as run_simplifier
+
+
+class ModeWarning(UserWarning):
+    """A graph captured in training (eval) mode was called while the module is in eval
+    (training) mode: flags such as dropout and batch-norm statistics were baked in."""
+
+
+def trace(f: Callable | torch.nn.Module, *example_inputs: Any,
+          leaf_modules: Iterable[type] = ()) -> fx.GraphModule:
+    """Capture ``f`` on ``example_inputs`` as a normalized torch-level ``GraphModule``.
+
+    Args:
+        f: function of tensors, or an ``nn.Module`` (its parameters and buffers become
+            ``get_attr`` nodes).
+        example_inputs: positional inputs; only their shapes/dtypes/devices are used (no real
+            computation runs during capture).
+        leaf_modules: module classes kept as ``call_module`` nodes (they need a rule, see
+            :func:`fxad.register_vjp`).
+
+    Returns:
+        GraphModule; every node has ``meta['val']`` (a fake tensor with shape and dtype) and,
+        where known, ``meta['fxad_loc']`` (the user's file and line).
+
+    Raises:
+        fxad.errors.CaptureError: untraceable Python (data-dependent control flow, ``.item()``,
+            a shape error on the example inputs), with the source line and a fix.
+        fxad.errors.InplaceError: an in-place op that cannot be rewritten safely.
+    """
+    gm = capture(f, example_inputs, leaf_modules=leaf_modules)
+    normalize(gm)
+    return gm
+
+
+def _source_module(f: Any) -> torch.nn.Module | None:
+    if isinstance(f, fx.GraphModule):
+        return f.meta.get("fxad_source_module")
+    return f if isinstance(f, torch.nn.Module) else None
+
+
+def _trainable(mod: torch.nn.Module | None) -> list[tuple[str, torch.nn.Parameter]]:
+    if mod is None:
+        return []
+    return [(n, p) for n, p in mod.named_parameters() if p.requires_grad and is_float(p)]
+
+
+def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
+           seed_ones: bool) -> fx.GraphModule:
+    gm = trace(f, *example_inputs, leaf_modules=leaf_modules)
+    src_mod = _source_module(f)
+    with_params = src_mod is not None
+    graph, info = build_vjp_graph(gm, with_params=with_params)
+    root: torch.nn.Module = src_mod if src_mod is not None else gm
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    result = list(out_node.args[0])
+    em = Emitter(graph, root)
+    if with_params:
+        given = result[2]
+        ordered: dict[str, Any] = {}
+        graph.inserting_before(out_node)
+        with graph.inserting_before(out_node), em.meta_defaults(fxad_bwd_of="(unused parameter)"):
+            for name, _ in _trainable(src_mod):
+                if name in given:
+                    ordered[name] = given[name]
+                else:
+                    ordered[name] = torch.zeros_like(
+                        em.create_proxy("get_attr", name, (), {})).node
+        result[2] = ordered
+    if seed_ones:
+        _seed_with_ones(graph, em, result[0])
+    out_node.args = (tuple(result),)
+    if simplify:
+        run_simplifier(graph)
+    names: dict[fx.Node, str] = {}
+    input_phs = [n for n in graph.nodes if n.op == "placeholder" and not n.meta.get("fxad_cotangent")]
+    for ph, g in zip(input_phs, result[1]):
+        if isinstance(g, fx.Node):
+            names.setdefault(g, f"d_{ph.name}")
+    if with_params:
+        for pname, g in result[2].items():
+            if isinstance(g, fx.Node):
+                names.setdefault(g, "d_" + pname.replace(".", "_"))
+    codegen.name_cotangents(graph, names)
+    codegen.install(graph)
+    name = type(src_mod).__name__ if src_mod is not None else getattr(f, "__name__", "f")
+    out = fx.GraphModule(root, graph, class_name=f"{name}VJP")
+    out.meta.update(gm.meta)
+    out.meta["fxad_forward"] = gm
+    out.meta["fxad_cotangent_names"] = info["cotangent_names"]
+    if src_mod is not None:
+        _install_mode_check(out, src_mod)
+    return out
+
+
+def _seed_with_ones(graph: fx.Graph, em: Emitter, outputs: Any) -> None:
+    cots = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("fxad_cotangent")]
+    if len(cots) != 1 or not isinstance(outputs, fx.Node) \
+            or outputs.meta["val"].numel() != 1:
+        raise InputError("fxad.grad needs a function with one scalar floating-point output; "
+                         "use fxad.vjp for other outputs")
+    ph = cots[0]
+    with graph.inserting_after(outputs), em.meta_defaults(fxad_bwd_of=outputs.name):
+        ones = torch.ones_like(em.value(outputs)).node
+    ph.replace_all_uses_with(ones)
+    graph.erase_node(ph)
+
+
+def _install_mode_check(gm: fx.GraphModule, mod: torch.nn.Module) -> None:
+    captured = {n: m.training for n, m in mod.named_modules()}
+    gm.meta["fxad_training_flags"] = captured
+
+    def hook(_gm: Any, _args: Any) -> None:
+        now = {n: m.training for n, m in mod.named_modules()}
+        if now != captured:
+            diff = next(n for n in captured if now.get(n) != captured[n])
+            mode = "training" if captured[diff] else "eval"
+            warnings.warn(
+                f"this fxad graph was captured with {type(mod).__name__}"
+                f"{'.' + diff if diff else ''} in {mode} mode, but the module is now in "
+                f"{'eval' if mode == 'training' else 'training'} mode; dropout and "
+                "batch-norm behaviour are baked in at capture: capture again after "
+                "switching modes", ModeWarning, stacklevel=2)
+
+    gm.register_forward_pre_hook(hook)
+
+
+def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
+        simplify: bool = True) -> fx.GraphModule:
+    """Source-to-source vector-Jacobian product of ``f`` at shapes of ``example_inputs``.
+
+    Returns:
+        GraphModule ``g``.  For a function, ``g(*inputs, cotangent)`` returns
+        ``(output, input_grads)``, where ``input_grads`` has one entry per input (``None``
+        for non-floating inputs) and ``cotangent`` has the output's shape/dtype (one
+        cotangent per floating output tensor, in output order, for multi-output functions).
+        For an ``nn.Module``, ``g(*inputs, cotangent)`` returns ``(output, input_grads,
+        param_grads)``, ``param_grads`` keyed like ``module.named_parameters()`` (frozen
+        parameters left out).  Parameters are read from the live module, so optimizer
+        updates are seen by later calls.
+
+    Raises:
+        fxad.errors.MissingRuleError: an op on the differentiation path has no rule (the error
+            names the op, the user's line and how to register one).
+        fxad.errors.CaptureError: see :func:`trace`.
+    """
+    return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
+                  seed_ones=False)
+
+
+def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
+         simplify: bool = True) -> fx.GraphModule:
+    """Gradient of a scalar-valued ``f``: ``g(*inputs)`` returns ``(value, input_grads)`` or,
+    for an ``nn.Module``, ``(value, input_grads, param_grads)``.
+
+    Raises:
+        fxad.errors.InputError: the output is not a single floating-point scalar.
+    """
+    return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
+                  seed_ones=True)
+
+
+_DELETION = re.compile(r";  (\w+ = )+None")
+
+
+def code_with_shapes(gm: fx.GraphModule) -> str:
+    """``gm.code`` with each statement annotated by its shape and dtype (``# f32[64,128]``)
+    and without FX's ``x = None`` memory-release statements."""
+    graph = gm.graph
+    old = graph._codegen._body_transformer
+    try:
+        codegen.install(graph, annotate=codegen.shape_note)
+        src = graph.python_code("self").src
+    finally:
+        graph._codegen._body_transformer = old
+    return _DELETION.sub("", src).strip("\n") + "\n"
+
+
+def show(gm: fx.GraphModule, *, file: TextIO | None = None, color: bool | None = None) -> str:
+    """Print ``gm``'s code annotated with shapes and dtypes; returns the plain text.
+
+    Uses ``rich`` syntax highlighting when writing to a terminal.
+    """
+    text = code_with_shapes(gm)
+    stream = file or sys.stdout
+    use_color = color if color is not None else (file is None and stream.isatty())
+    if use_color:
+        try:
+            from rich.console import Console
+            from rich.syntax import Syntax
+
+            Console(file=stream).print(Syntax(text, "python", theme="ansi_dark"))
+            return text
+        except ImportError:  # pragma: no cover
+            pass
+    stream.write(text)
+    return text

@@ -1,0 +1,151 @@
+"""Code generation: readable names, provenance comments and torch-API spellings.
+
+:func:`name_cotangents` renames cotangent nodes ``d_<primal>``; :func:`install` attaches a
+body transformer to a graph so that its generated Python (``gm.code``, ``to_folder``)
+
+* spells functions by their public name (``torch.nn.functional.gelu``, not
+  ``torch._C._nn.gelu``; ``torch.split``, not ``torch.functional.split``);
+* carries, above each backward block, ``# backward of: <forward statement>  [file.py:line]``.
+
+The transformer relies on the ``# COUNTER: i`` markers FX puts in the body (torch >= 2.1);
+without them the code is unchanged apart from the spellings.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_COUNTER = re.compile(r"# COUNTER: (\d+)")
+_PRIVATE_NN = re.compile(r"\btorch\._C\._nn\.(\w+)\b")
+_PRIVATE_VAR = re.compile(r"\btorch\._C\._VariableFunctions\.(\w+)\b")
+
+
+def _public_name(m: re.Match) -> str:
+    name = m.group(1)
+    if hasattr(F, name):
+        return f"torch.nn.functional.{name}"
+    return m.group(0)
+
+
+def public_spelling(line: str) -> str:
+    """Rewrite private module paths of public functions in one line of generated code."""
+    line = _PRIVATE_NN.sub(_public_name, line)
+    line = _PRIVATE_VAR.sub(lambda m: f"torch.{m.group(1)}", line)
+    return line.replace("torch.functional.", "torch.")
+
+
+def _statement(lines: list[str]) -> str:
+    """The first code line of a node's emitted text, without FX's `x = None` deletions."""
+    for ln in lines:
+        s = ln.strip()
+        if s and not s.startswith("#"):
+            return s.split(";  ")[0]
+    return ""
+
+
+class BodyTransformer:
+    """Callable installed as the graph's body transformer (see module docstring)."""
+
+    def __init__(self, graph: fx.Graph, *, annotate: Any = None) -> None:
+        self.graph = graph
+        self.annotate = annotate  # optional node -> str appended to its line (fxad.show)
+
+    def __call__(self, body: list[str]) -> list[str]:
+        nodes = list(self.graph.nodes)
+        # group body entries by node
+        groups: list[tuple[int | None, list[str]]] = []
+        cur: tuple[int | None, list[str]] = (None, [])
+        for entry in body:
+            m = _COUNTER.fullmatch(entry.strip())
+            if m:
+                groups.append(cur)
+                cur = (int(m.group(1)), [])
+            else:
+                cur[1].append(public_spelling(entry))
+        groups.append(cur)
+        stmt_of: dict[str, str] = {}
+        out: list[str] = []
+        prev_block: Any = None
+        for idx, entries in groups:
+            node = nodes[idx] if idx is not None and idx < len(nodes) else None
+            if node is not None:
+                stmt = _statement(entries)
+                stmt_of[node.name] = stmt
+                block = node.meta.get("fxad_bwd_of")
+                if block is not None and block != prev_block and node.op != "placeholder":
+                    out.append(self._header(block, node, stmt_of))
+                prev_block = block if node.op != "placeholder" else prev_block
+                if self.annotate is not None and entries:
+                    note = self.annotate(node)
+                    if note:
+                        entries = _append_note(entries, note)
+            out.append(f"# COUNTER: {idx}\n" if idx is not None else "")
+            out.extend(entries)
+        return [e for e in out if e != ""]
+
+    def _header(self, block: str, node: fx.Node, stmt_of: dict[str, str]) -> str:
+        fwd = stmt_of.get(block, block)
+        text = f"# backward of: {fwd}" if fwd else f"# backward of {block}"
+        loc = node.meta.get("fxad_bwd_src")
+        if loc is not None:
+            text += f"  [{loc.short()}]"
+        return text + "\n"
+
+
+def _append_note(entries: list[str], note: str) -> list[str]:
+    """Append ``  # note`` to the end of the node's statement (its last body entry)."""
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].endswith("\n") and not entries[i].strip().startswith("#"):
+            entries = list(entries)
+            entries[i] = entries[i][:-1] + f"  # {note}\n"
+            return entries
+    return entries
+
+
+def install(graph: fx.Graph, *, annotate: Any = None) -> None:
+    """Attach the fxad body transformer to ``graph`` (replacing any previous one)."""
+    graph._codegen._body_transformer = BodyTransformer(graph, annotate=annotate)
+
+
+def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
+    """Give cotangent nodes readable names.
+
+    Args:
+        graph: VJP graph.
+        output_names: nodes returned as gradients → the name they should carry
+            (``d_x``, ``d_l1_weight``); other nodes with ``meta['fxad_cot_of'] = v`` become
+            ``d_v``.  Placeholders keep their names; clashes get FX's numeric suffix.
+    """
+    taken: set[fx.Node] = set()
+    for node, name in output_names.items():
+        if node.op in ("placeholder", "get_attr") or node in taken:
+            continue
+        if node.name != name:
+            node._rename(name)
+        taken.add(node)
+    for node in graph.nodes:
+        if node in taken or node.op != "call_function" and node.op != "call_method":
+            continue
+        of = node.meta.get("fxad_cot_of")
+        if of and not node.name.startswith("d_"):
+            node._rename(f"d_{of}")
+
+
+def shape_note(node: fx.Node) -> str:
+    """``f32[64,128]`` for a tensor node (used by :func:`fxad.show`)."""
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return f"{_DT.get(v.dtype, str(v.dtype).replace('torch.', ''))}[{','.join(map(str, v.shape))}]"
+    if isinstance(v, (tuple, list)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        return "(" + ", ".join(
+            f"{_DT.get(x.dtype, str(x.dtype))}[{','.join(map(str, x.shape))}]" for x in v) + ")"
+    return ""
+
+
+_DT = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+       torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8",
+       torch.int8: "i8", torch.complex64: "c64", torch.complex128: "c128"}

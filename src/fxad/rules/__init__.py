@@ -1,0 +1,14 @@
+"""Derivative rules.  Importing this package registers all built-in rules.
+
+The rule contract is stated once, in :mod:`fxad.rules.registry`.  Where to find a rule:
+
+* :mod:`fxad.rules.elementwise` — arithmetic, unary math, activations, ``where``, ``clamp``
+* :mod:`fxad.rules.reductions` — ``sum``, ``mean``, ``var``, ``amax``, ``max``, ...
+* :mod:`fxad.rules.linalg` — ``matmul``, ``mm``, ``bmm``, ``linear``, ``addmm``
+* :mod:`fxad.rules.shape` — views, indexing, ``cat``/``stack``/``split``, casts
+* :mod:`fxad.rules.nn` — softmax, normalization, losses, attention, convolution, pooling
+"""
+from . import elementwise, linalg, nn, reductions, shape  # noqa: F401  (registers the rules)
+from .registry import Rule, all_rules, lookup, register_vjp, unregister
+
+__all__ = ["Rule", "all_rules", "lookup", "register_vjp", "unregister"]

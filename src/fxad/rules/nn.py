@@ -1,0 +1,1 @@
+"""(rules being written)"""
