@@ -9,7 +9,7 @@ tensor([2., 2., 2.])
 from __future__ import annotations
 
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
-from .api import ModeWarning, code_with_shapes, grad, show, trace, vjp
+from .api import ModeWarning, VJPModule, code_with_shapes, grad, show, trace, vjp
 from .check import CheckReport, check
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
                      InputError, MissingRuleError, RuleError, SourceLoc)
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
-    "all_rules", "unregister", "Rule", "CheckReport", "ModeWarning", "FxadError",
+    "all_rules", "unregister", "Rule", "CheckReport", "VJPModule", "ModeWarning", "FxadError",
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
     "CheckError", "InputError", "SourceLoc",
 ]

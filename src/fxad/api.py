@@ -21,6 +21,24 @@ from .errors import InputError
 from .simplify import simplify as run_simplifier
 
 
+class VJPModule(fx.GraphModule):
+    """GraphModule returned by :func:`vjp` and :func:`grad`.
+
+    Calls run under ``torch.no_grad()`` by default: the generated code already computes the
+    derivatives, so recording an autograd graph (parameters have ``requires_grad=True``)
+    would only cost time and memory.  Set ``gm.record_autograd = True`` to differentiate
+    the generated code with ``torch.autograd``.
+    """
+
+    record_autograd: bool = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.record_autograd:
+            return super().__call__(*args, **kwargs)
+        with torch.no_grad():
+            return super().__call__(*args, **kwargs)
+
+
 class ModeWarning(UserWarning):
     """A graph captured in training (eval) mode was called while the module is in eval
     (training) mode: flags such as dropout and batch-norm statistics were baked in."""
@@ -91,6 +109,7 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     out_node.args = (tuple(result),)
     if simplify:
         run_simplifier(graph)
+    result = list(out_node.args[0])  # simplification replaced nodes
     names: dict[fx.Node, str] = {}
     input_phs = [n for n in graph.nodes if n.op == "placeholder" and not n.meta.get("fxad_cotangent")]
     for ph, g in zip(input_phs, result[1]):
@@ -103,7 +122,7 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     codegen.name_cotangents(graph, names)
     codegen.install(graph)
     name = type(src_mod).__name__ if src_mod is not None else getattr(f, "__name__", "f")
-    out = fx.GraphModule(root, graph, class_name=f"{name}VJP")
+    out = VJPModule(root, graph, class_name=f"{name}VJP")
     out.meta.update(gm.meta)
     out.meta["fxad_forward"] = gm
     out.meta["fxad_cotangent_names"] = info["cotangent_names"]

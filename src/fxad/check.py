@@ -128,10 +128,10 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
         x_req[i].requires_grad_(True)
     params = [(n, p) for n, p in fn.named_parameters() if p.requires_grad] if is_mod else []
     out_ag = fn(*x_req)
-    restore()
     outs = _float_leaves(out_ag)
     wrt = [x_req[i] for i in diff_inputs] + [p for _, p in params]
     ag = torch.autograd.grad(outs, wrt, cot_leaves, allow_unused=True)
+    restore()
     names = [f"input {i}" for i in diff_inputs] + [f"parameter {n}" for n, _ in params]
     mine = [in_grads[i] for i in diff_inputs] + [p_grads.get(n) for n, _ in params]
     worst = 0.0

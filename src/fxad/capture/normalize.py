@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .proxy import compute_meta
+from .proxy import compute_meta, take_name
 
 _METHOD_TO_OPERATOR: dict[str, Callable] = {
     "add": operator.add, "__add__": operator.add, "sub": operator.sub, "__sub__": operator.sub,
@@ -200,8 +200,10 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
                 new = _make(gm, g, op, target, args, kwargs, node)
         if new is None:
             continue
+        name = node.name
         node.replace_all_uses_with(new)
         g.erase_node(node)
+        take_name(new, name)
     g.lint()
     gm.recompile()
     return gm

@@ -379,3 +379,19 @@ def unwrap(x: Any) -> Any:
 
 def getitem(p: Any, i: Any) -> Any:
     return operator.getitem(p, i)
+
+
+def take_name(node: fx.Node, name: str) -> None:
+    """Give ``node`` the name of a node that was just erased (FX never frees names, so a
+    replacement would otherwise print as ``mean_1``).  Falls back to FX's unique name."""
+    ns = node.graph._graph_namespace
+    if any(n.name == name for n in (node.prev, node.next) if n is not node) or name == node.name:
+        return
+    taken = {n.name for n in node.graph.nodes}
+    if name in taken:
+        return
+    try:
+        ns._used_names.discard(name)
+    except AttributeError:  # pragma: no cover - other torch versions
+        pass
+    node._rename(name)

@@ -85,6 +85,10 @@ class CaptureTracer(fx.Tracer):
         if kind == "call_method" and _is_inplace_method(target) and args \
                 and isinstance(args[0], TensorProxy):
             return self._inplace_method(target, args, kwargs)
+        if kind == "call_function" and _is_inplace_method(getattr(target, "__name__", None)) \
+                and getattr(torch, getattr(target, "__name__", ""), None) is target and args \
+                and isinstance(args[0], TensorProxy):  # torch.relu_(x) and friends
+            return self._inplace_method(target.__name__, args, kwargs)
         if kind == "call_function" and kwargs.get("inplace") is True and args \
                 and isinstance(args[0], TensorProxy):
             kwargs = {**kwargs, "inplace": False}
@@ -192,6 +196,16 @@ class CaptureTracer(fx.Tracer):
         return node
 
     # -- policies ----------------------------------------------------------------------------
+    def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
+        if in_meta_computation():  # computing a leaf module's fake output: just run it
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):  # type: ignore[override]
+        if in_meta_computation():
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return bool(self.leaf_types) and isinstance(m, self.leaf_types)
 

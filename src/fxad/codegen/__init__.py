@@ -131,6 +131,9 @@ def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
         if node in taken or node.op != "call_function" and node.op != "call_method":
             continue
         of = node.meta.get("fxad_cot_of")
+        if of:
+            from ..simplify._util import resolve
+            of = resolve(graph, of)
         if of and not node.name.startswith("d_"):
             node._rename(f"d_{of}")
 

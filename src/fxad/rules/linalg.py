@@ -24,6 +24,8 @@ def _matmul_bwd(a, b, d):
     if b.dim() == 1:  # (..., m, n) @ (n) -> (..., m)
         d2 = torch.unsqueeze(d, -1)
         return d2 * b, torch.squeeze(a.mT @ d2, -1)
+    if a.dim() == 2 and b.dim() == 2:
+        return d @ b.t(), a.t() @ d
     return d @ b.mT, a.mT @ d
 
 
@@ -101,7 +103,8 @@ class Linear:
             d_w = d.t() @ x
         else:
             d_w = torch.reshape(d, (-1, d.shape[-1])).t() @ torch.reshape(x, (-1, x.shape[-1]))
-        return d_x, d_w, d
+        d_b = d if d.dim() == 1 else d.sum(0) if d.dim() == 2 else d.sum(tuple(range(d.dim() - 1)))
+        return d_x, d_w, d_b
 
     def jvp(primals, tangents):
         x, w = primals[:2]

@@ -20,15 +20,19 @@ def _count(shape: Any, dims: tuple[int, ...]) -> int:
     return math.prod(shape[k] for k in dims) if dims else 1
 
 
+def _reduce(op: Any, x: Any, dim: Any, keepdim: bool, dtype: Any) -> Any:
+    """Call ``op`` with only the non-default arguments (keeps generated code short)."""
+    args = (x,) if dim is None else (x, dim, True) if keepdim else (x, dim)
+    return op(*args) if dtype is None else op(*args, dtype=dtype)
+
+
 @builtin(torch.sum)
 class Sum:
     """sum(x, dim, keepdim): d_x = d broadcast back over the reduced dims
     (derivatives.yaml `sum.dim_IntList`: grad.expand_symint(self.sym_sizes()))."""
 
     def fwd(input, dim=None, keepdim=False, *, dtype=None):
-        out = torch.sum(input) if dim is None and not keepdim and dtype is None \
-            else torch.sum(input, dim, keepdim, dtype=dtype) if dim is not None \
-            else torch.sum(input, dtype=dtype)
+        out = _reduce(torch.sum, input, dim, keepdim, dtype)
         return out, (input.dim(), dim, keepdim)
 
     def bwd(aux, d):
@@ -53,10 +57,7 @@ class Mean:
     """mean(x, dim, keepdim): d_x = d / n broadcast back (derivatives.yaml `mean.dim`)."""
 
     def fwd(input, dim=None, keepdim=False, *, dtype=None):
-        if dim is None:
-            out = torch.mean(input) if dtype is None else torch.mean(input, dtype=dtype)
-        else:
-            out = torch.mean(input, dim, keepdim, dtype=dtype)
+        out = _reduce(torch.mean, input, dim, keepdim, dtype)
         return out, (tuple(input.shape), dim, keepdim)
 
     def bwd(aux, d):

@@ -1,6 +1,7 @@
 """Helpers shared by the simplifier passes."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -54,9 +55,27 @@ def same_type(a: Any, b: Any) -> bool:
         and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
 
 
+_ALIASES: "weakref.WeakKeyDictionary[fx.Graph, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def aliases(graph: fx.Graph) -> dict[str, str]:
+    """Names of erased nodes → name of the node that replaced them (for cotangent naming)."""
+    return _ALIASES.setdefault(graph, {})
+
+
+def resolve(graph: fx.Graph, name: str) -> str:
+    table = _ALIASES.get(graph, {})
+    seen = set()
+    while name in table and name not in seen:
+        seen.add(name)
+        name = table[name]
+    return name
+
+
 def replace(node: fx.Node, new: Any) -> None:
     """Replace all uses of ``node`` by ``new`` (a node or constant) and erase it."""
     if isinstance(new, fx.Node):
+        aliases(node.graph)[node.name] = new.name
         for k in ("fxad_cot_of",):
             if k in node.meta and k not in new.meta and new.op != "placeholder":
                 new.meta[k] = node.meta[k]

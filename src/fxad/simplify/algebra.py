@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture.proxy import compute_meta
+from ..capture.proxy import compute_meta, take_name
 from ._util import replace, same_type, val
 
 _ZERO_FACTORIES = (torch.zeros_like, torch.zeros)
@@ -55,7 +55,9 @@ def _rewrite(node: fx.Node, target: Any, args: tuple) -> bool:
         new = node.graph.call_function(target, args)
     new.meta = dict(node.meta)
     new.meta["val"] = v
+    name = node.name
     replace(node, new)
+    take_name(new, name)
     return True
 
 

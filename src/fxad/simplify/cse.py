@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._util import is_impure, is_random
+from ._util import aliases, is_impure, is_random
 
 
 def _key(x: Any) -> Any:
@@ -49,6 +49,7 @@ def cse(graph: fx.Graph) -> int:
         for k in ("fxad_cot_of",):
             if k in node.meta and k not in prev.meta:
                 prev.meta[k] = node.meta[k]
+        aliases(graph)[node.name] = prev.name
         node.replace_all_uses_with(prev)
         graph.erase_node(node)
         removed += 1

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture.proxy import compute_meta
+from ..capture.proxy import compute_meta, take_name
 from ._util import replace, same_type, val
 
 _BROADCASTING = {operator.add, operator.sub, operator.mul, operator.truediv, torch.where}
@@ -107,7 +107,9 @@ def fold_shapes(graph: fx.Graph) -> int:
                     new = graph.call_function(target, args)
                 new.meta = dict(node.meta)
                 new.meta["val"] = v
+                name = node.name
                 replace(node, new)
+                take_name(new, name)
                 n += 1
                 continue
         if _is(node, "expand"):

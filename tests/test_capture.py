@@ -1,0 +1,169 @@
+"""Capture: shape-carrying proxies, specialization on example shapes, normalization, in-place
+rewriting, and the errors for what cannot be captured."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxad
+from fxad.capture.normalize import normalize
+from fxad.capture.tracer import capture
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_shapes_specialize_without_running_anything():
+    def f(x):
+        n, t = x.shape[0], x.size(1)
+        if x.dim() == 2:
+            x = x * 2
+        z = torch.zeros(n, t, device=x.device) + torch.arange(t, device=x.device)
+        return (x + z + len(x)).sum()
+
+    gm = fxad.trace(f, torch.empty(3, 4, device="meta"))  # meta: no data at all
+    assert torch.zeros in _targets(gm) and torch.arange in _targets(gm)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assert "val" in n.meta
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(fxad.trace(f, x)(x), f(x))
+
+
+def test_every_node_has_shape_and_dtype():
+    gm = fxad.trace(lambda x, w: torch.tanh(x @ w).mean(0), torch.randn(5, 3), torch.randn(3, 2))
+    vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op != "output"}
+    assert tuple(vals["matmul"].shape) == (5, 2) and vals["matmul"].dtype == torch.float32
+    assert tuple(vals["mean"].shape) == (2,)
+
+
+def test_methods_and_operators_are_normalized():
+    def f(x, y):
+        return x.add(y).mul(2).view(2, 6).permute(1, 0).sin() - torch.div(x, y).reshape(6, 2)
+
+    gm = fxad.trace(f, torch.randn(3, 4), torch.randn(3, 4))
+    targets = _targets(gm)
+    assert operator.add in targets and operator.mul in targets and operator.truediv in targets
+    assert torch.reshape in targets and torch.permute in targets and torch.sin in targets
+    assert not any(isinstance(t, str) and t in ("add", "mul", "view", "sin") for t in targets)
+
+
+def test_normalize_rewrites_alpha_and_casts():
+    def f(x, y):
+        return torch.add(x, y, alpha=3).float().sum(1)
+
+    gm = normalize(capture(f, (torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3))))
+    code = gm.code
+    assert "alpha" not in code and "y * 3" in code and ".to(torch.float32)" in code
+
+
+def test_return_types_fields_become_indices():
+    gm = fxad.trace(lambda x: torch.max(x, 1).values.sum(), torch.randn(3, 4))
+    assert "values" not in gm.code and "[0]" in gm.code
+
+
+def test_inplace_ops_rewritten_out_of_place():
+    def f(x):
+        y = x * 1.5
+        y += 1
+        y[0] = 2.0
+        y.relu_()
+        z = y * 2
+        return torch.nn.functional.relu(z, inplace=True)
+
+    x = torch.randn(4)
+    gm = fxad.trace(f, x)
+    assert not any(isinstance(t, str) and t.endswith("_") for t in _targets(gm))
+    torch.testing.assert_close(gm(x), f(x.clone()))
+    fxad.check(f, x)
+
+
+def test_inplace_on_input_is_refused():
+    def f(x):
+        return torch.relu_(x)
+
+    with pytest.raises(fxad.InplaceError) as e:
+        fxad.trace(f, torch.randn(3))
+    assert "relu_" in str(e.value) and "test_capture.py" in str(e.value)
+
+
+def test_inplace_visible_through_view_is_refused():
+    def f(x):
+        y = x * 1
+        v = y[0]
+        y.mul_(2)
+        return v + y.sum()
+
+    with pytest.raises(fxad.InplaceError, match="shares memory"):
+        fxad.trace(f, torch.randn(3))
+
+
+def test_data_dependent_control_flow_error_names_line_and_fix():
+    def f(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    with pytest.raises(fxad.DataDependentError) as e:
+        fxad.vjp(f, torch.randn(3))
+    msg = str(e.value)
+    assert "test_capture.py" in msg and "if x.sum() > 0" in msg and "fix:" in msg
+
+
+def test_item_error():
+    with pytest.raises(fxad.DataDependentError, match="item"):
+        fxad.trace(lambda x: x * x.item(), torch.randn(1))
+
+
+def test_data_dependent_shape_error():
+    with pytest.raises(fxad.CaptureError, match="depends on tensor data"):
+        fxad.trace(lambda x: x[x > 0].sum(), torch.randn(5))
+
+
+def test_missing_rule_error_names_op_line_and_registration():
+    def f(x):
+        return torch.special.bessel_j0(x).sum()
+
+    with pytest.raises(fxad.MissingRuleError) as e:
+        fxad.vjp(f, torch.randn(3))
+    msg = str(e.value)
+    assert "bessel_j0" in msg and "test_capture.py" in msg and "register_vjp" in msg
+
+
+def test_nondifferentiable_path_needs_no_rule():
+    # integer ops and ops on non-differentiable inputs are copied, not differentiated
+    def f(x, idx):
+        k = torch.special.bessel_j0(idx.float())
+        return (x * k).sum()
+
+    fxad.check(f, torch.randn(3), torch.tensor([1, 2, 3]))
+
+
+def test_module_parameters_and_buffers():
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    gm = fxad.trace(m, torch.randn(5, 3))
+    attrs = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert {"0.weight", "1.running_mean", "3.bias"} <= attrs
+    assert gm.meta["fxad_training"] is True
+
+
+def test_leaf_module_without_rule_errors():
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x).sum()
+
+    with pytest.raises(fxad.MissingRuleError) as e:
+        fxad.vjp(Outer(), torch.randn(3), leaf_modules=(Inner,))
+    assert "Inner" in str(e.value) and "leaf" in str(e.value)
