@@ -120,6 +120,9 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
             if isinstance(g, fx.Node):
                 names.setdefault(g, "d_" + pname.replace(".", "_"))
     codegen.name_cotangents(graph, names)
+    single = isinstance(result[0], fx.Node) and isinstance(result[0].meta.get("val"), torch.Tensor)
+    if not single and not seed_ones:
+        _pytree_cotangent(graph, result[0], len(input_phs))
     codegen.install(graph)
     name = type(src_mod).__name__ if src_mod is not None else getattr(f, "__name__", "f")
     out = VJPModule(root, graph, class_name=f"{name}VJP")
@@ -129,6 +132,57 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     if src_mod is not None:
         _install_mode_check(out, src_mod)
     return out
+
+
+class _Slot:
+    """A leaf marker used to build the input TreeSpec."""
+
+
+def _pytree_cotangent(graph: fx.Graph, outputs: Any, n_inputs: int) -> None:
+    """Make the graph take one ``cotangent`` argument shaped like the output pytree.
+
+    Floating tensor leaves of the output take a cotangent tensor; other leaves take ``None``.
+    """
+    from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+    from torch.utils import _pytree as pytree
+
+    def slot(leaf: Any) -> Any:
+        v = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+        if isinstance(v, (tuple, list)):
+            return type(v)(_Slot() if is_float(x) else None for x in v) \
+                if type(v) in (tuple, list) else tuple(_Slot() if is_float(x) else None for x in v)
+        return _Slot() if is_float(v) else None
+
+    def plain(x: Any) -> Any:  # FX stores immutable_dict / immutable_list in node args
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [plain(v) for v in x]
+        if isinstance(x, tuple) and type(x) is tuple:
+            return tuple(plain(v) for v in x)
+        return x
+
+    cot_tree = pytree.tree_map(slot, plain(outputs), is_leaf=lambda x: isinstance(x, fx.Node))
+    # every leaf of the cotangent is an argument; non-floating outputs take an ignored one
+    # (pass None), so that the argument pytree mirrors the output pytree exactly
+    flat, tree_spec = pytree.tree_flatten(cot_tree, is_leaf=lambda x: x is None)
+    cots = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("fxad_cotangent")]
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    it = iter(cots)
+    prev = last if not cots else None
+    for k, leaf in enumerate(flat):
+        if leaf is None:
+            anchor = prev if prev is not None else cots[0].prev
+            with graph.inserting_after(anchor):
+                ph = graph.placeholder(f"no_cotangent_{k}")
+            ph.meta["val"] = None
+            prev = ph
+        else:
+            prev = next(it)
+    cot_tree = pytree.tree_unflatten([_Slot() for _ in flat], tree_spec)
+    spec = pytree.tree_structure(tuple(_Slot() for _ in range(n_inputs)) + (cot_tree,))
+    names = [n.name for n in graph.nodes if n.op == "placeholder"][:n_inputs] + ["cotangent"]
+    graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args=names, in_spec=spec, out_spec=None))
 
 
 def _seed_with_ones(graph: fx.Graph, em: Emitter, outputs: Any) -> None:

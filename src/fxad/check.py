@@ -115,25 +115,40 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
     restore()
     cot_leaves = [torch.randn(o.shape, dtype=o.dtype, generator=gen)
                   for o in _float_leaves(out_ref)]
-    result = g(*xs, *cot_leaves)
+    if isinstance(out_ref, torch.Tensor):
+        cot_arg: Any = cot_leaves[0] if cot_leaves else None
+    else:
+        it = iter(cot_leaves)
+        cot_arg = pytree.tree_map(lambda o: next(it) if isinstance(o, torch.Tensor)
+                                  and o.is_floating_point() else None, out_ref)
+    result = g(*xs, cot_arg)
     restore()
     out_fx, in_grads = result[0], result[1]
     p_grads = result[2] if is_mod else {}
 
     # autograd
-    x_req = _cast(xs, None)
-    diff_inputs = [i for i, x in enumerate(x_req) if isinstance(x, torch.Tensor)
+    leaves, spec = pytree.tree_flatten(_cast(xs, None))
+    diff_inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                    and x.is_floating_point()]
     for i in diff_inputs:
-        x_req[i].requires_grad_(True)
+        leaves[i].requires_grad_(True)
+    x_req = pytree.tree_unflatten(leaves, spec)
     params = [(n, p) for n, p in fn.named_parameters() if p.requires_grad] if is_mod else []
     out_ag = fn(*x_req)
     outs = _float_leaves(out_ag)
-    wrt = [x_req[i] for i in diff_inputs] + [p for _, p in params]
-    ag = torch.autograd.grad(outs, wrt, cot_leaves, allow_unused=True)
+    wrt = [leaves[i] for i in diff_inputs] + [p for _, p in params]
+    used = [o for o in outs if o.requires_grad]
+    used_cots = [c for o, c in zip(outs, cot_leaves) if o.requires_grad]
+    ag = torch.autograd.grad(used, wrt, used_cots, allow_unused=True) if used \
+        else [None] * len(wrt)
     restore()
-    names = [f"input {i}" for i in diff_inputs] + [f"parameter {n}" for n, _ in params]
-    mine = [in_grads[i] for i in diff_inputs] + [p_grads.get(n) for n, _ in params]
+    in_grad_leaves = pytree.tree_flatten(in_grads, is_leaf=lambda v: v is None)[0]
+    if len(in_grad_leaves) != len(leaves):
+        raise CheckError(f"fxad returned {len(in_grad_leaves)} input cotangents for "
+                         f"{len(leaves)} input leaves")
+    input_paths = [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(xs)[0]]
+    names = [f"input{input_paths[i]}" for i in diff_inputs] + [f"parameter {n}" for n, _ in params]
+    mine = [in_grad_leaves[i] for i in diff_inputs] + [p_grads.get(n) for n, _ in params]
     worst = 0.0
     for o_fx, o_ag in zip(_float_leaves(out_fx), outs):
         if not torch.allclose(o_fx, o_ag.detach(), atol=atol, rtol=rtol):
@@ -159,12 +174,13 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
 
     # finite differences along a random direction
     dirs = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in wrt]
-    analytic = sum(float((m * u).sum()) for m, u in zip(mine, dirs))
+    analytic = sum(float((m.detach() * u).sum()) for m, u in zip(mine, dirs))
 
     def shifted(h: float) -> float:
-        xs_h = list(_cast(xs, None))
+        leaves_h = pytree.tree_leaves(_cast(xs, None))
         for k, i in enumerate(diff_inputs):
-            xs_h[i] = xs_h[i] + h * dirs[k]
+            leaves_h[i] = leaves_h[i] + h * dirs[k]
+        xs_h = pytree.tree_unflatten(leaves_h, spec)
         with torch.no_grad():
             for (_, p), u in zip(params, dirs[len(diff_inputs):]):
                 p.add_(h * u)

@@ -29,6 +29,11 @@ def _is(node: Any, target: Any) -> bool:
     return node.op == "call_function" and node.target is target
 
 
+def _is_op(node: Any, fn: Any) -> bool:
+    """``node`` calls ``fn`` as a function or as the same-named tensor method."""
+    return _is(node, fn) or _is(node, fn.__name__)
+
+
 def _sizes(args: tuple) -> tuple:
     rest = args[1:]
     if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
@@ -52,14 +57,14 @@ def _inverse_pair(node: fx.Node) -> Any:
     x = node.args[0] if node.args else None
     if not isinstance(x, fx.Node) or len(x.users) < 1:
         return None
-    if _is(node, torch.transpose) and _is(x, torch.transpose):
+    if _is_op(node, torch.transpose) and _is_op(x, torch.transpose):
         a, b = sorted(d % x.args[0].meta["val"].dim() for d in node.args[1:3])
         c, d = sorted(k % x.args[0].meta["val"].dim() for k in x.args[1:3])
         if (a, b) == (c, d):
             return x.args[0]
-    if _is(node, torch.t) and _is(x, torch.t):
+    if _is_op(node, torch.t) and _is_op(x, torch.t):
         return x.args[0]
-    if _is(node, torch.squeeze) and _is(x, torch.unsqueeze) and len(node.args) == 2 \
+    if _is_op(node, torch.squeeze) and _is_op(x, torch.unsqueeze) and len(node.args) == 2 \
             and node.args[1] == x.args[1]:
         return x.args[0]
     return None
