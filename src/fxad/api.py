@@ -82,12 +82,23 @@ def _trainable(mod: torch.nn.Module | None) -> list[tuple[str, torch.nn.Paramete
     return [(n, p) for n, p in mod.named_parameters() if p.requires_grad and is_float(p)]
 
 
+def _argnums(argnums: int | Iterable[int] | None, n: int) -> tuple[int, ...] | None:
+    if argnums is None:
+        return None
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    bad = [a for a in nums if not -n <= a < n]
+    if bad:
+        raise InputError(f"argnums {bad} out of range for {n} inputs")
+    return tuple(a % n for a in nums)
+
+
 def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
-           seed_ones: bool) -> fx.GraphModule:
+           seed_ones: bool, argnums: Any = None) -> fx.GraphModule:
     gm = trace(f, *example_inputs, leaf_modules=leaf_modules)
     src_mod = _source_module(f)
     with_params = src_mod is not None
-    graph, info = build_vjp_graph(gm, with_params=with_params)
+    graph, info = build_vjp_graph(gm, with_params=with_params,
+                                  argnums=_argnums(argnums, len(example_inputs)))
     root: torch.nn.Module = src_mod if src_mod is not None else gm
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     result = list(out_node.args[0])
@@ -218,7 +229,7 @@ def _install_mode_check(gm: fx.GraphModule, mod: torch.nn.Module) -> None:
 
 
 def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
-        simplify: bool = True) -> fx.GraphModule:
+        argnums: int | Iterable[int] | None = None, simplify: bool = True) -> fx.GraphModule:
     """Source-to-source vector-Jacobian product of ``f`` at shapes of ``example_inputs``.
 
     Returns:
@@ -231,17 +242,22 @@ def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
         parameters left out).  Parameters are read from the live module, so optimizer
         updates are seen by later calls.
 
+    Args:
+        argnums: positions of the inputs to differentiate (default: all floating inputs);
+            the others get ``None`` and no code is generated for them (``argnums=()`` for a
+            module: parameter gradients only, as in a training step).
+
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule (the error
             names the op, the user's line and how to register one).
         fxad.errors.CaptureError: see :func:`trace`.
     """
     return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                  seed_ones=False)
+                  seed_ones=False, argnums=argnums)
 
 
 def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
-         simplify: bool = True) -> fx.GraphModule:
+         argnums: int | Iterable[int] | None = None, simplify: bool = True) -> fx.GraphModule:
     """Gradient of a scalar-valued ``f``: ``g(*inputs)`` returns ``(value, input_grads)`` or,
     for an ``nn.Module``, ``(value, input_grads, param_grads)``.
 
@@ -249,7 +265,7 @@ def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iter
         fxad.errors.InputError: the output is not a single floating-point scalar.
     """
     return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                  seed_ones=True)
+                  seed_ones=True, argnums=argnums)
 
 
 _DELETION = re.compile(r";  (\w+ = )+None")

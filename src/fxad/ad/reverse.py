@@ -129,7 +129,9 @@ def activity(gm: fx.GraphModule, leaves: set[fx.Node]) -> tuple[set[fx.Node], se
 class ReverseTransform:
     """One VJP transform of one captured graph (use :func:`build_vjp_graph`)."""
 
-    def __init__(self, gm: fx.GraphModule, *, with_params: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, *, with_params: bool,
+                 argnums: tuple[int, ...] | None = None) -> None:
+        self.argnums = argnums
         self.gm = gm
         self.src = gm.graph
         self.graph = fx.Graph()
@@ -155,7 +157,9 @@ class ReverseTransform:
         gm = self.gm
         params = differentiable_params(gm) if self.with_params else {}
         inputs = [n for n in self.src.nodes if n.op == "placeholder"]
-        leaves = {n for n in inputs if has_float(n.meta.get("val"))} | set(params.values())
+        leaves = {n for i, n in enumerate(inputs) if has_float(n.meta.get("val"))
+                  and (self.argnums is None or i in self.argnums)} | set(params.values())
+        self.leaves = leaves
         active, useful = activity(gm, leaves)
         self.active = active
         out_node = None
@@ -392,8 +396,10 @@ class ReverseTransform:
         val = node.meta.get("val")
         ct = self.cots.get(node)
         if isinstance(val, _STRUCT):
+            if node not in self.leaves:
+                return pytree.tree_map(lambda _: None, val)
             return _fill_struct(val, ct, self, node)
-        if not is_float(val):
+        if not is_float(val) or node not in self.leaves:
             return None
         if ct is None:
             with self.em.meta_defaults(fxad_bwd_of="(unused input)"):
@@ -444,11 +450,13 @@ def _fill_struct(val: Any, ct: Any, tr: ReverseTransform, node: fx.Node) -> Any:
     return fill(val, ct, ())
 
 
-def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool) -> tuple[fx.Graph, dict]:
+def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool,
+                    argnums: tuple[int, ...] | None = None) -> tuple[fx.Graph, dict]:
     """Build the VJP graph of a captured, normalized GraphModule.
 
     The graph's placeholders are the original inputs followed by one cotangent per floating
-    output leaf; it returns ``(outputs, input_grads)`` or, with ``with_params``,
+    output leaf; only inputs whose position is in ``argnums`` (all when None) are
+    differentiated, the others get ``None``; it returns ``(outputs, input_grads)`` or, with ``with_params``,
     ``(outputs, input_grads, param_grads)``.
 
     Returns:
@@ -456,7 +464,7 @@ def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool) -> tuple[fx.Graph,
     """
     from ..capture.tracer import _record_factories
 
-    tr = ReverseTransform(gm, with_params=with_params)
+    tr = ReverseTransform(gm, with_params=with_params, argnums=argnums)
     with _record_factories(tr.em):  # torch.zeros(...) inside rules writes graph code
         inputs, out_node = tr.forward()
         cot_names = tr.backward(out_node)

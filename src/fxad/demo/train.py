@@ -1,0 +1,480 @@
+"""The ``fxad demo`` run: train :class:`~fxad.demo.models.TinyGPT` twice from the same
+initialisation on the same batches, once with gradients from fxad's generated code and once
+with ``torch.autograd``, and compare; then differentiate :class:`~fxad.demo.models.SmallCNN`
+in training mode (batch-norm batch statistics) and check it.
+
+Everything runs on CPU in float32 unless the configuration says otherwise.  The public entry
+point is :func:`run_demo`; the pieces (:func:`train_fxad`, :func:`train_autograd`,
+:func:`block_backward_code`, :func:`time_steps`, :func:`cnn_demo`) are usable on their own.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import torch
+import torch.fx as fx
+
+import fxad
+
+from .data import CharCorpus
+from .models import SmallCNN, TinyGPT
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and hyper-parameters of the demo.
+
+    The defaults train a 2-layer, 64-wide TinyGPT on 16 x 64-character batches; 300 steps of
+    both runs take well under a minute on two CPU cores.
+    """
+
+    steps: int = 300
+    batch_size: int = 16
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    corpus_bytes: int = 300_000
+    log_every: int = 0          # 0: about ten rows in the loss table
+    timing_reps: int = 20       # interleaved forward+backward timings (median reported)
+    sample_chars: int = 200     # characters sampled from the trained model (0: none)
+    cnn: bool = True            # run the SmallCNN part
+    show_code: bool = True      # print the backward code of transformer block 0
+
+    @property
+    def every(self) -> int:
+        return self.log_every or max(1, self.steps // 10)
+
+
+#: A tiny configuration for smoke tests (``fxad demo --quick``): a few seconds.
+QUICK = DemoConfig(steps=20, batch_size=4, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                   corpus_bytes=40_000, timing_reps=5, sample_chars=40)
+
+
+@dataclass
+class DemoResult:
+    """Numbers measured by :func:`run_demo` (also printed).
+
+    Attributes:
+        losses_fxad, losses_autograd: per-step training losses of the two runs.
+        max_abs_loss_diff: ``max_t |L_fxad(t) - L_autograd(t)|``.
+        max_rel_loss_diff: the same divided by ``|L_autograd(t)|``.
+        first_step_grad_rel_err: ``max_p max|g_fxad - g_autograd| / max|g_autograd|`` at step 0.
+        max_final_param_diff: largest absolute parameter difference after training.
+        time_fxad, time_autograd: median seconds of one forward+backward.
+        transform_time: seconds to build the fxad gradient graph.
+        cnn: numbers of the SmallCNN part (see :func:`cnn_demo`), empty when skipped.
+    """
+
+    losses_fxad: list[float]
+    losses_autograd: list[float]
+    max_abs_loss_diff: float
+    max_rel_loss_diff: float
+    first_step_grad_rel_err: float
+    max_final_param_diff: float
+    time_fxad: float
+    time_autograd: float
+    transform_time: float
+    cnn: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speed_ratio(self) -> float:
+        """autograd time / fxad time (> 1: fxad's generated code is faster)."""
+        return self.time_autograd / self.time_fxad
+
+
+# ---------------------------------------------------------------------------------------------
+# provenance: the demo's models live inside the fxad package
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def demo_source_locations() -> Iterator[None]:
+    """Let provenance comments point into ``fxad/demo/models.py``.
+
+    fxad attributes each recorded op to the innermost stack frame *outside* the fxad package
+    (``fxad.capture.proxy._SKIP_PREFIXES``); the demo models are inside it, so their lines
+    would be skipped.  This temporarily skips fxad's own subpackages except ``demo``.
+    Harmless if the internals differ: then nothing is changed.
+    """
+    try:
+        from fxad.capture import proxy
+        prefixes = proxy._SKIP_PREFIXES
+        fxad_dir = proxy._FXAD_DIR
+    except (ImportError, AttributeError):  # pragma: no cover
+        yield
+        return
+    demo_dir = os.path.dirname(os.path.abspath(__file__))
+    if fxad_dir not in prefixes or not demo_dir.startswith(fxad_dir):  # pragma: no cover
+        yield
+        return
+    inner = tuple(os.path.join(fxad_dir, n) for n in sorted(os.listdir(fxad_dir))
+                  if n != "demo")
+    proxy._SKIP_PREFIXES = tuple(p for p in prefixes if p != fxad_dir) + inner
+    try:
+        yield
+    finally:
+        proxy._SKIP_PREFIXES = prefixes
+
+
+def build_grad(model: torch.nn.Module, *example_inputs: Any) -> tuple[fx.GraphModule, float]:
+    """``fxad.grad(model, *example_inputs)`` with demo provenance; returns (graph, seconds)."""
+    t0 = time.perf_counter()
+    with demo_source_locations():
+        g = fxad.grad(model, *example_inputs)
+    return g, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------
+
+def make_optimizer(model: torch.nn.Module, cfg: DemoConfig) -> torch.optim.Optimizer:
+    """AdamW over all parameters, ``foreach`` off so both runs use the same kernels."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             foreach=False)
+
+
+def train_fxad(model: torch.nn.Module, batches: Sequence[Batch], cfg: DemoConfig,
+               g: fx.GraphModule | None = None,
+               on_step: Callable[[int, float], None] | None = None,
+               ) -> tuple[list[float], list[float], fx.GraphModule]:
+    """Train ``model`` with gradients from ``fxad.grad``: the graph is built once (or ``g`` is
+    reused) and called every step; its ``param_grads`` are written to ``p.grad`` and an AdamW
+    step is taken.
+
+    Returns:
+        (per-step losses, per-step forward+backward seconds, the gradient graph).
+    """
+    if g is None:
+        g, _ = build_grad(model, *batches[0])
+    opt = make_optimizer(model, cfg)
+    params = dict(model.named_parameters())
+    losses, times = [], []
+    for step, (idx, tgt) in enumerate(batches):
+        t0 = time.perf_counter()
+        loss, _, grads = g(idx, tgt)
+        times.append(time.perf_counter() - t0)
+        for name, p in params.items():
+            p.grad = grads[name]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses, times, g
+
+
+def train_autograd(model: torch.nn.Module, batches: Sequence[Batch], cfg: DemoConfig,
+                   on_step: Callable[[int, float], None] | None = None,
+                   ) -> tuple[list[float], list[float]]:
+    """Train ``model`` with ``loss.backward()`` and AdamW.
+
+    Returns:
+        (per-step losses, per-step forward+backward seconds).
+    """
+    opt = make_optimizer(model, cfg)
+    losses, times = [], []
+    for step, (idx, tgt) in enumerate(batches):
+        t0 = time.perf_counter()
+        loss = model(idx, tgt)
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses, times
+
+
+def grad_rel_err(model: torch.nn.Module, g: fx.GraphModule, batch: Batch) -> float:
+    """``max_p max|g_fxad - g_autograd| / max|g_autograd|`` over the parameters ``p``."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    ref(*batch).backward()
+    _, _, grads = g(*batch)
+    worst = 0.0
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        scale = float(p.grad.abs().max()) or 1.0
+        worst = max(worst, float((grads[name] - p.grad).abs().max()) / scale)
+    return worst
+
+
+def time_steps(model: torch.nn.Module, g: fx.GraphModule, batch: Batch, reps: int,
+               warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of one forward+backward: (fxad generated code, autograd).
+
+    The two are interleaved (fxad, autograd, fxad, ...) so that both see the same machine
+    state; autograd's step is ``model(*batch).backward()`` with ``.grad`` reset to ``None``.
+    """
+    def fx_step() -> None:
+        g(*batch)
+
+    def ag_step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(*batch).backward()
+
+    for _ in range(warmup):
+        fx_step()
+        ag_step()
+    t_fx, t_ag = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fx_step()
+        t1 = time.perf_counter()
+        ag_step()
+        t2 = time.perf_counter()
+        t_fx.append(t1 - t0)
+        t_ag.append(t2 - t1)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(t_fx), statistics.median(t_ag)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the generated code
+# ---------------------------------------------------------------------------------------------
+
+def _module_nodes(g: fx.GraphModule, prefix: str) -> set[str]:
+    """Names of forward nodes recorded inside submodule ``prefix`` (via ``nn_module_stack``)."""
+    names: set[str] = set()
+    graphs = [g.graph]
+    fwd = g.meta.get("fxad_forward")
+    if isinstance(fwd, fx.GraphModule):
+        graphs.append(fwd.graph)
+    for graph in graphs:
+        for node in graph.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            if any(k == prefix or k.startswith(prefix + ".") for k in stack):
+                names.add(node.name)
+    return names
+
+
+def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0") -> str:
+    """The backward statements of submodule ``prefix`` in ``g.code``.
+
+    The generated code groups backward statements under ``# backward of: <forward statement>``
+    headers; a group is kept when its forward statement's node was recorded inside
+    ``prefix`` (``node.meta['nn_module_stack']``), or, failing that, when the statement
+    mentions one of the submodule's parameters (``blocks_0_...``).  Returns '' if nothing
+    matches.
+    """
+    inside = _module_nodes(g, prefix)
+    param_tag = prefix.replace(".", "_") + "_"
+    keep: list[str] = []
+    current: list[str] | None = None
+    for line in g.code.splitlines():
+        s = line.strip()
+        if s.startswith("# backward of:"):
+            stmt = s[len("# backward of:"):].strip()
+            target = stmt.split("=", 1)[0].strip() if "=" in stmt else ""
+            if target in inside or (not inside and param_tag in stmt):
+                current = [line]
+                keep.append("")
+                keep.extend(current)
+            else:
+                current = None
+        elif s.startswith("return ") or not s:
+            current = None
+        elif current is not None:
+            keep.append(line)
+    return "\n".join(_dedent(keep)).strip("\n")
+
+
+def _dedent(lines: list[str]) -> list[str]:
+    indents = [len(ln) - len(ln.lstrip()) for ln in lines if ln.strip()]
+    cut = min(indents, default=0)
+    return [ln[cut:] for ln in lines]
+
+
+# ---------------------------------------------------------------------------------------------
+# SmallCNN: batch norm in training mode
+# ---------------------------------------------------------------------------------------------
+
+def cnn_demo(seed: int = 0, batch_size: int = 16, size: int = 16,
+             check: bool = True) -> dict[str, Any]:
+    """Differentiate :class:`SmallCNN` in training mode with fxad and compare with eager.
+
+    One fxad gradient call and one eager ``loss.backward()`` run on identical copies; both
+    update the batch-norm running statistics.  Then ``fxad.check`` runs in train and in eval
+    mode (float64).
+
+    Returns:
+        dict with ``loss_fxad``, ``loss_autograd``, ``grad_max_abs_diff`` (over parameters),
+        ``buffer_max_abs_diff`` (running mean/var and ``num_batches_tracked`` after the step),
+        ``check_train`` and ``check_eval`` (:class:`fxad.CheckReport`, or ``None`` if
+        ``check`` is False).
+    """
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = SmallCNN().train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(batch_size, 3, size, size, generator=gen)
+    y = torch.randint(0, 10, (batch_size,), generator=gen)
+    g, _ = build_grad(model, x, y)
+    loss_fx, _, grads = g(x, y)
+    loss_ag = ref(x, y)
+    loss_ag.backward()
+    grad_diff = max(float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters())
+    ref_bufs = dict(ref.named_buffers())
+    buf_diff = max(float((b.double() - ref_bufs[n].double()).abs().max())
+                   for n, b in model.named_buffers())
+    out: dict[str, Any] = {"loss_fxad": float(loss_fx), "loss_autograd": float(loss_ag),
+                           "grad_max_abs_diff": grad_diff, "buffer_max_abs_diff": buf_diff,
+                           "check_train": None, "check_eval": None}
+    if check:
+        with demo_source_locations():
+            out["check_train"] = fxad.check(copy.deepcopy(ref).train(), x, y)
+            out["check_eval"] = fxad.check(copy.deepcopy(ref).eval(), x, y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the demo
+# ---------------------------------------------------------------------------------------------
+
+class _Progress:
+    """A ``rich.progress`` bar on a terminal, occasional plain lines otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.rich: Any = None
+        if enabled and stream.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                           TimeElapsedColumn)
+                self.rich = Progress(TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                                     TimeElapsedColumn(), console=Console(file=stream),
+                                     transient=True)
+            except ImportError:  # pragma: no cover
+                self.rich = None
+
+    @contextlib.contextmanager
+    def task(self, name: str, total: int) -> Iterator[Callable[[int, float], None]]:
+        if not self.enabled:
+            yield lambda step, loss: None
+            return
+        if self.rich is not None:
+            with self.rich:
+                tid = self.rich.add_task(name, total=total, loss="-")
+                yield lambda step, loss: self.rich.update(tid, advance=1, loss=f"{loss:.4f}")
+            return
+        every = max(1, total // 4)
+
+        def line(step: int, loss: float) -> None:
+            if (step + 1) % every == 0 or step + 1 == total:
+                print(f"  {name}: step {step + 1}/{total}  loss {loss:.4f}", file=self.stream,
+                      flush=True)
+        yield line
+
+
+def run_demo(cfg: DemoConfig = DemoConfig(), *, stream: TextIO | None = None,
+             progress: bool = True) -> DemoResult:
+    """Run the demo (see the module docstring), print a report to ``stream`` (stdout) and
+    return the measured numbers."""
+    out = stream or sys.stdout
+
+    def say(*args: Any) -> None:
+        print(*args, file=out, flush=True)
+
+    bar = _Progress(out, progress)
+    corpus = CharCorpus.stdlib(cfg.corpus_bytes)
+    say(f"fxad demo — torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), "
+        f"{str(cfg.dtype).replace('torch.', '')}")
+    say(f"corpus: {len(corpus.train) + len(corpus.val):,} characters of the Python standard "
+        f"library's source, vocabulary {corpus.vocab_size}")
+    batches = corpus.batches(cfg.steps, cfg.batch_size, cfg.block_size, seed=cfg.seed)
+
+    torch.manual_seed(cfg.seed)
+    model_fx = TinyGPT(corpus.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                       n_head=cfg.n_head, n_embd=cfg.n_embd).to(cfg.dtype).train()
+    model_ag = copy.deepcopy(model_fx)
+    n_params = sum(p.numel() for p in model_fx.parameters())
+    say(f"TinyGPT: {cfg.n_layer} layer(s), {cfg.n_head} heads, width {cfg.n_embd}, context "
+        f"{cfg.block_size}, {n_params:,} parameters; batch {cfg.batch_size}; AdamW lr {cfg.lr}; "
+        f"{cfg.steps} steps")
+
+    g, t_build = build_grad(model_fx, *batches[0])
+    n_lines = len(g.code.splitlines())
+    say(f"fxad.grad built the gradient code in {t_build:.2f} s ({n_lines} lines of Python)")
+    rel0 = grad_rel_err(model_fx, g, batches[0])
+    say(f"step-0 gradients: max |fxad - autograd| / max|autograd| over parameters = {rel0:.2e}")
+
+    with bar.task("fxad    ", cfg.steps) as cb:
+        t0 = time.perf_counter()
+        losses_fx, _, _ = train_fxad(model_fx, batches, cfg, g=g, on_step=cb)
+        wall_fx = time.perf_counter() - t0
+    with bar.task("autograd", cfg.steps) as cb:
+        t0 = time.perf_counter()
+        losses_ag, _ = train_autograd(model_ag, batches, cfg, on_step=cb)
+        wall_ag = time.perf_counter() - t0
+
+    say("")
+    say(f"{'step':>6}  {'loss (fxad)':>12}  {'loss (autograd)':>15}  {'|diff|':>9}")
+    for k in list(range(0, cfg.steps, cfg.every)) + ([cfg.steps - 1] if
+                                                     (cfg.steps - 1) % cfg.every else []):
+        d = abs(losses_fx[k] - losses_ag[k])
+        say(f"{k:>6}  {losses_fx[k]:>12.6f}  {losses_ag[k]:>15.6f}  {d:>9.2e}")
+    diffs = [abs(a - b) for a, b in zip(losses_fx, losses_ag)]
+    rels = [d / max(abs(b), 1e-12) for d, b in zip(diffs, losses_ag)]
+    ag_params = dict(model_ag.named_parameters())
+    p_diff = max(float((p - ag_params[n]).abs().max()) for n, p in model_fx.named_parameters())
+    say(f"max |loss_fxad - loss_autograd| over {cfg.steps} steps: {max(diffs):.3e} "
+        f"(relative {max(rels):.3e}); max |param diff| after training: {p_diff:.3e}")
+    say(f"training wall time: fxad {wall_fx:.1f} s, autograd {wall_ag:.1f} s (incl. optimizer)")
+
+    t_fx, t_ag = time_steps(model_fx, g, batches[0], cfg.timing_reps) if cfg.timing_reps \
+        else (math.nan, math.nan)
+    say(f"forward+backward, median of {cfg.timing_reps}: fxad {t_fx * 1e3:.2f} ms, autograd "
+        f"{t_ag * 1e3:.2f} ms -> autograd/fxad = {t_ag / t_fx:.2f}x")
+
+    if cfg.sample_chars:
+        model_fx.eval()
+        prompt = corpus.encode("def ")[None]
+        text = corpus.decode(model_fx.generate(prompt, cfg.sample_chars,
+                                               generator=torch.Generator().manual_seed(0))[0])
+        model_fx.train()
+        say("\nsample from the fxad-trained model:")
+        say("  | " + text.replace("\n", "\n  | "))
+
+    if cfg.show_code:
+        code = block_backward_code(g, "blocks.0")
+        say("\ngenerated backward code of transformer block 0 (from fxad.grad(model, idx, "
+            "targets).code):")
+        say(code or "  (no statements found)")
+
+    cnn: dict[str, Any] = {}
+    if cfg.cnn:
+        say("\nSmallCNN in training mode (batch statistics):")
+        cnn = cnn_demo(cfg.seed)
+        say(f"  loss fxad {cnn['loss_fxad']:.6f}, autograd {cnn['loss_autograd']:.6f}; max "
+            f"|grad diff| {cnn['grad_max_abs_diff']:.2e}; running stats after the step: max "
+            f"|diff| {cnn['buffer_max_abs_diff']:.2e}")
+        say(f"  train mode: {cnn['check_train']}")
+        say(f"  eval mode:  {cnn['check_eval']}")
+
+    return DemoResult(losses_fx, losses_ag, max(diffs), max(rels), rel0, p_diff, t_fx, t_ag,
+                      t_build, cnn)
+
+
+def quick_config(**overrides: Any) -> DemoConfig:
+    """:data:`QUICK` with fields replaced."""
+    return replace(QUICK, **overrides)
