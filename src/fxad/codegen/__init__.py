@@ -56,6 +56,7 @@ class BodyTransformer:
 
     def __call__(self, body: list[str]) -> list[str]:
         nodes = list(self.graph.nodes)
+        self._by_name = {n.name: n for n in nodes}
         # group body entries by node
         groups: list[tuple[int | None, list[str]]] = []
         cur: tuple[int | None, list[str]] = (None, [])
@@ -91,6 +92,9 @@ class BodyTransformer:
         fwd = stmt_of.get(block, block)
         text = f"# backward of: {fwd}" if fwd else f"# backward of {block}"
         loc = node.meta.get("fxad_bwd_src")
+        if loc is None:
+            fwd_node = self._by_name.get(block)
+            loc = fwd_node.meta.get("fxad_loc") if fwd_node is not None else None
         if loc is not None:
             text += f"  [{loc.short()}]"
         return text + "\n"

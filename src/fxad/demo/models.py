@@ -12,6 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def _dropout(p: float) -> nn.Module:
+    """``nn.Dropout(p)``, or ``nn.Identity()`` when ``p == 0`` so that no-op dropout calls do
+    not appear in the captured graph (and in fxad's generated code)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention.
 
@@ -29,7 +35,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = n_embd
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.resid_dropout = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -52,7 +58,7 @@ class FeedForward(nn.Module):
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * n_embd, n_embd)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
@@ -95,7 +101,7 @@ class TinyGPT(nn.Module):
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
+        self.drop = _dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)

@@ -195,7 +195,7 @@ def train_autograd(model: torch.nn.Module, batches: Sequence[Batch], cfg: DemoCo
         times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, losses[-1])
     return losses, times
@@ -265,20 +265,30 @@ def _module_nodes(g: fx.GraphModule, prefix: str) -> set[str]:
     return names
 
 
-def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0") -> str:
-    """The backward statements of submodule ``prefix`` in ``g.code``.
+def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0", *,
+                        shapes: bool = True) -> str:
+    """The backward statements of submodule ``prefix`` in the generated code of ``g``.
 
     The generated code groups backward statements under ``# backward of: <forward statement>``
     headers; a group is kept when its forward statement's node was recorded inside
     ``prefix`` (``node.meta['nn_module_stack']``), or, failing that, when the statement
-    mentions one of the submodule's parameters (``blocks_0_...``).  Returns '' if nothing
-    matches.
+    mentions one of the submodule's parameters (``blocks_0_...``).
+
+    Args:
+        g: graph from :func:`fxad.grad` / :func:`fxad.vjp` of a module.
+        prefix: submodule path as in ``named_modules()``.
+        shapes: use :func:`fxad.code_with_shapes` (shape comments, no ``x = None`` memory
+            releases) instead of the raw ``g.code``.
+
+    Returns:
+        The selected lines, dedented; '' if nothing matches.
     """
     inside = _module_nodes(g, prefix)
     param_tag = prefix.replace(".", "_") + "_"
     keep: list[str] = []
     current: list[str] | None = None
-    for line in g.code.splitlines():
+    text = fxad.code_with_shapes(g) if shapes else g.code
+    for line in text.splitlines():
         s = line.strip()
         if s.startswith("# backward of:"):
             stmt = s[len("# backward of:"):].strip()
@@ -306,13 +316,16 @@ def _dedent(lines: list[str]) -> list[str]:
 # SmallCNN: batch norm in training mode
 # ---------------------------------------------------------------------------------------------
 
-def cnn_demo(seed: int = 0, batch_size: int = 16, size: int = 16,
-             check: bool = True) -> dict[str, Any]:
+def cnn_demo(seed: int = 0, batch_size: int = 16, size: int = 16, check: bool = True,
+             check_batch: int = 8, check_size: int = 8) -> dict[str, Any]:
     """Differentiate :class:`SmallCNN` in training mode with fxad and compare with eager.
 
-    One fxad gradient call and one eager ``loss.backward()`` run on identical copies; both
-    update the batch-norm running statistics.  Then ``fxad.check`` runs in train and in eval
-    mode (float64).
+    One fxad gradient call and one eager ``loss.backward()`` run on identical copies, on a
+    float32 batch ``[batch_size, 3, size, size]``; both update the batch-norm running
+    statistics.  Then ``fxad.check`` (float64) runs in train and in eval mode on a smaller
+    batch ``[check_batch, 3, check_size, check_size]``: the finite-difference part of the
+    check assumes the loss is smooth within the step ``fd_eps``, and the more ReLU / max-pool
+    kinks a batch has, the likelier one lies that close.
 
     Returns:
         dict with ``loss_fxad``, ``loss_autograd``, ``grad_max_abs_diff`` (over parameters),
@@ -334,13 +347,15 @@ def cnn_demo(seed: int = 0, batch_size: int = 16, size: int = 16,
     ref_bufs = dict(ref.named_buffers())
     buf_diff = max(float((b.double() - ref_bufs[n].double()).abs().max())
                    for n, b in model.named_buffers())
-    out: dict[str, Any] = {"loss_fxad": float(loss_fx), "loss_autograd": float(loss_ag),
+    out: dict[str, Any] = {"loss_fxad": float(loss_fx), "loss_autograd": float(loss_ag.detach()),
                            "grad_max_abs_diff": grad_diff, "buffer_max_abs_diff": buf_diff,
                            "check_train": None, "check_eval": None}
     if check:
+        xc = torch.randn(check_batch, 3, check_size, check_size, generator=gen)
+        yc = torch.randint(0, 10, (check_batch,), generator=gen)
         with demo_source_locations():
-            out["check_train"] = fxad.check(copy.deepcopy(ref).train(), x, y)
-            out["check_eval"] = fxad.check(copy.deepcopy(ref).eval(), x, y)
+            out["check_train"] = fxad.check(copy.deepcopy(ref).train(), xc, yc)
+            out["check_eval"] = fxad.check(copy.deepcopy(ref).eval(), xc, yc)
     return out
 
 
@@ -436,7 +451,9 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, stream: TextIO | None = None,
     diffs = [abs(a - b) for a, b in zip(losses_fx, losses_ag)]
     rels = [d / max(abs(b), 1e-12) for d, b in zip(diffs, losses_ag)]
     ag_params = dict(model_ag.named_parameters())
-    p_diff = max(float((p - ag_params[n]).abs().max()) for n, p in model_fx.named_parameters())
+    with torch.no_grad():
+        p_diff = max(float((p - ag_params[n]).abs().max())
+                     for n, p in model_fx.named_parameters())
     say(f"max |loss_fxad - loss_autograd| over {cfg.steps} steps: {max(diffs):.3e} "
         f"(relative {max(rels):.3e}); max |param diff| after training: {p_diff:.3e}")
     say(f"training wall time: fxad {wall_fx:.1f} s, autograd {wall_ag:.1f} s (incl. optimizer)")
@@ -468,8 +485,9 @@ def run_demo(cfg: DemoConfig = DemoConfig(), *, stream: TextIO | None = None,
         say(f"  loss fxad {cnn['loss_fxad']:.6f}, autograd {cnn['loss_autograd']:.6f}; max "
             f"|grad diff| {cnn['grad_max_abs_diff']:.2e}; running stats after the step: max "
             f"|diff| {cnn['buffer_max_abs_diff']:.2e}")
-        say(f"  train mode: {cnn['check_train']}")
-        say(f"  eval mode:  {cnn['check_eval']}")
+        say("  fxad.check on a batch of 8 images of 8x8:")
+        say(f"    train mode: {cnn['check_train']}")
+        say(f"    eval mode:  {cnn['check_eval']}")
 
     return DemoResult(losses_fx, losses_ag, max(diffs), max(rels), rel0, p_diff, t_fx, t_ag,
                       t_build, cnn)

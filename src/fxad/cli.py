@@ -1,0 +1,305 @@
+"""Command line interface: ``fxad demo``, ``fxad show``, ``fxad check``.
+
+Examples::
+
+    fxad demo --quick
+    fxad show model.py:mlp --input "randn(4, 3)" --input "randn(3, 2)"
+    fxad check model.py:Net --input "randn(8, 16)" --input "randint(0, 10, (8,))"
+
+``FILE.py:NAME`` names a function, an ``nn.Module`` subclass (instantiated with no
+arguments) or an ``nn.Module`` instance defined in ``FILE.py``.  Each ``--input`` is a Python
+expression evaluated with the names of the ``torch`` namespace available (``randn``,
+``randint``, ``tensor``, ``float64``...), plus ``torch``, ``nn`` and ``F``; the random
+generator is seeded (``--seed``) first.
+
+Errors print one line, ``fxad: error: <message> (at file:line) — fix: <hint>``, and exit
+with status 2 (``fxad check`` exits with 1 when the derivatives disagree); ``--debug`` shows
+the full traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import traceback
+from typing import Any, Sequence
+
+import torch
+
+from .errors import CheckError, FxadError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (bad FILE:NAME, bad --input expression)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+# ------------------------------------------------------------------------------------------
+# loading the user's object and inputs
+# ------------------------------------------------------------------------------------------
+
+def load_target(spec: str) -> tuple[Any, str]:
+    """Load ``FILE.py:NAME``; returns (object, path of the file).
+
+    A module class is instantiated with no arguments; functions and module instances are
+    returned as they are.
+    """
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise UsageError(f"expected FILE.py:NAME, got {spec!r}",
+                         hint="name the function or nn.Module class after a colon, e.g. "
+                              "model.py:Net")
+    if not os.path.isfile(path):
+        raise UsageError(f"no such file: {path}")
+    abspath = os.path.abspath(path)
+    mod_name = "_fxad_cli_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    mspec = importlib.util.spec_from_file_location(mod_name, abspath)
+    if mspec is None or mspec.loader is None:
+        raise UsageError(f"cannot import {path} (is it a .py file?)")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module
+    sys.path.insert(0, os.path.dirname(abspath))  # let the file import its neighbours
+    try:
+        mspec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(abspath))
+    if not hasattr(module, name):
+        public = sorted(k for k, v in vars(module).items()
+                        if not k.startswith("_") and _is_target(v) and
+                        getattr(v, "__module__", mod_name) == mod_name)
+        raise UsageError(f"{path} defines no {name!r}",
+                         hint=f"choose one of: {', '.join(public)}" if public else None)
+    obj = getattr(module, name)
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        try:
+            obj = obj()
+        except TypeError as e:
+            raise UsageError(f"cannot instantiate {name}() with no arguments: {e}",
+                             hint="give the constructor's arguments defaults, or define a "
+                                  "module instance in the file and name that") from e
+    elif not callable(obj):
+        raise UsageError(f"{name} in {path} is a {type(obj).__name__}, not a function or "
+                         "nn.Module")
+    return obj, abspath
+
+
+def _is_target(v: Any) -> bool:
+    return callable(v) and not isinstance(v, type) or \
+        isinstance(v, type) and issubclass(v, torch.nn.Module)
+
+
+def input_namespace() -> dict[str, Any]:
+    """Names available to ``--input`` expressions."""
+    ns: dict[str, Any] = {k: getattr(torch, k) for k in dir(torch) if not k.startswith("_")}
+    ns.update(torch=torch, nn=torch.nn, F=torch.nn.functional)
+    return ns
+
+
+def eval_inputs(exprs: Sequence[str], seed: int = 0) -> list[Any]:
+    """Evaluate each ``--input`` expression (see the module docstring)."""
+    torch.manual_seed(seed)
+    ns = input_namespace()
+    values = []
+    for i, expr in enumerate(exprs):
+        try:
+            values.append(eval(expr, ns))  # noqa: S307  (the user's own command line)
+        except Exception as e:
+            raise UsageError(f"--input #{i + 1} {expr!r}: {type(e).__name__}: {e}",
+                             hint="write a torch expression such as \"randn(4, 3)\" or "
+                                  "\"randint(0, 10, (4,))\"") from e
+    return values
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    obj, _ = load_target(args.target)
+    if isinstance(obj, torch.nn.Module) and args.eval:
+        obj.eval()
+    if not args.input:
+        raise UsageError("no inputs given", hint="pass one --input EXPR per argument of "
+                                                 "the function, e.g. --input \"randn(4, 3)\"")
+    return obj, eval_inputs(args.input, args.seed)
+
+
+# ------------------------------------------------------------------------------------------
+# commands
+# ------------------------------------------------------------------------------------------
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import fxad
+
+    obj, inputs = _prepare(args)
+    gm = fxad.grad(obj, *inputs) if args.grad else fxad.vjp(obj, *inputs)
+    fxad.show(gm, color=False if args.no_color else None)
+    return EXIT_OK
+
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "keep": None}
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import fxad
+
+    obj, inputs = _prepare(args)
+    report = fxad.check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed)
+    print(report)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .demo.train import QUICK, DemoConfig, run_demo
+
+    cfg = QUICK if args.quick else DemoConfig()
+    changes: dict[str, Any] = {}
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError("--steps must be at least 1")
+        changes["steps"] = args.steps
+    if args.float64:
+        changes["dtype"] = torch.float64
+    if args.no_cnn:
+        changes["cnn"] = False
+    if args.no_code:
+        changes["show_code"] = False
+    run_demo(replace(cfg, **changes), progress=not args.no_progress)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------
+# parser and error reporting
+# ------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks instead of one-line errors")
+    p = argparse.ArgumentParser(
+        prog="fxad", description="Readable source-to-source automatic differentiation for "
+        "PyTorch, on torch.fx.", parents=[debug])
+    p.add_argument("--version", action="version", version=f"fxad {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    d = sub.add_parser("demo", parents=[debug], help="train a tiny GPT with fxad and with "
+                       "autograd side by side; differentiate a CNN with batch norm",
+                       description="Train TinyGPT on the Python standard library's source "
+                       "twice (fxad gradients vs torch.autograd) and compare.")
+    d.add_argument("--steps", type=int, default=None, help="training steps (default 300, "
+                   "20 with --quick)")
+    d.add_argument("--quick", action="store_true", help="tiny model and few steps: a few "
+                   "seconds")
+    d.add_argument("--float64", action="store_true", help="train in float64")
+    d.add_argument("--no-cnn", action="store_true", help="skip the SmallCNN part")
+    d.add_argument("--no-code", action="store_true", help="do not print generated code")
+    d.add_argument("--no-progress", action="store_true", help="no progress display")
+    d.set_defaults(func=cmd_demo)
+
+    for name, func, text in (
+            ("show", cmd_show, "print the generated VJP code with shape comments"),
+            ("check", cmd_check, "compare fxad's derivatives with autograd and finite "
+                                 "differences (exit status 1 if they disagree)")):
+        c = sub.add_parser(name, parents=[debug], help=text, description=text + ".")
+        c.add_argument("target", metavar="FILE.py:NAME",
+                       help="function, nn.Module class (built with no arguments) or module "
+                            "instance in FILE.py")
+        c.add_argument("--input", "-i", action="append", default=[], metavar="EXPR",
+                       help="one positional input, a torch expression such as "
+                            "\"randn(4, 3)\"; repeat per argument")
+        c.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        c.add_argument("--eval", action="store_true", help="call .eval() on a module first")
+        if name == "show":
+            c.add_argument("--grad", action="store_true",
+                           help="show fxad.grad (scalar output, cotangent 1) instead of vjp")
+            c.add_argument("--no-color", action="store_true", help="plain text output")
+        else:
+            c.add_argument("--dtype", choices=sorted(_DTYPES), default="float64",
+                           help="dtype of the check (default float64; 'keep' keeps the "
+                                "inputs' dtypes)")
+        c.set_defaults(func=func)
+    return p
+
+
+def _where(exc: BaseException, user_file: str | None = None) -> str | None:
+    """``file:line`` for an exception: the fxad error's location, else the innermost frame
+    of the traceback in the user's file, else the innermost frame."""
+    loc = getattr(exc, "loc", None)
+    if loc is not None:
+        return f"{_short_path(loc.filename)}:{loc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    pick = frames[-1]
+    if user_file is not None:
+        mine = [f for f in frames if os.path.abspath(f.filename) == user_file]
+        pick = mine[-1] if mine else pick
+    return f"{_short_path(pick.filename)}:{pick.lineno}"
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def format_error(exc: BaseException, user_file: str | None = None) -> str:
+    """The one-line report ``fxad: error: <message> (at file:line) — fix: <hint>``."""
+    if isinstance(exc, FxadError):
+        msg = exc.bare_message
+    elif isinstance(exc, UsageError):
+        msg = str(exc)
+    else:
+        msg = f"{type(exc).__name__}: {exc}"
+    msg = " ".join(part.strip() for part in str(msg).splitlines() if part.strip()) or \
+        type(exc).__name__
+    text = f"fxad: error: {msg}"
+    where = None if isinstance(exc, UsageError) else _where(exc, user_file)
+    if where:
+        text += f" (at {where})"
+    hint = getattr(exc, "hint", None)
+    if hint:
+        text += f" — fix: {hint}"
+    elif not isinstance(exc, (FxadError, UsageError)):
+        text += " — rerun with --debug for the full traceback"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fxad`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = getattr(args, "debug", False)
+    user_file = None
+    target = getattr(args, "target", None)
+    if target and ":" in target:
+        user_file = os.path.abspath(target.rpartition(":")[0])
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("fxad: interrupted", file=sys.stderr)
+        return 130
+    except CheckError as e:
+        if debug:
+            traceback.print_exc()
+        else:
+            print(format_error(e, user_file), file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    except Exception as e:  # one clear line unless --debug
+        if debug:
+            traceback.print_exc()
+        else:
+            print(format_error(e, user_file), file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
