@@ -85,7 +85,7 @@ def test_short_training_run_agrees_with_autograd():
     torch.testing.assert_close(torch.tensor(losses_fx), torch.tensor(losses_ag),
                                rtol=1e-5, atol=1e-6)
     assert losses_fx[-1] < losses_fx[0]  # it learns
-    for (n, p), q in zip(m_fx.named_parameters(), m_ag.parameters()):
+    for (n, p), q in zip(m_fx.named_parameters(), m_ag.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
 
 
@@ -103,7 +103,7 @@ def test_batchnorm_running_stats_match_eager():
         torch.testing.assert_close(loss, ref_loss.detach())
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, msg=n)
-    for (n, b), rb in zip(model.named_buffers(), ref.buffers()):
+    for (n, b), rb in zip(model.named_buffers(), ref.buffers(), strict=True):
         torch.testing.assert_close(b, rb, msg=n)
     assert int(model.bn1.num_batches_tracked) == 2
 
@@ -130,7 +130,7 @@ def test_corpus_is_deterministic():
     corpus = CharCorpus.from_text(text)
     b1 = corpus.batches(3, 2, 8, seed=7)
     b2 = corpus.batches(3, 2, 8, seed=7)
-    for (i1, t1), (i2, t2) in zip(b1, b2):
+    for (i1, t1), (i2, t2) in zip(b1, b2, strict=True):
         assert i1.shape == (2, 8) and i1.dtype == torch.long
         assert torch.equal(i1, i2) and torch.equal(t1, t2)
         assert torch.equal(i1[:, 1:], t1[:, :-1])  # targets are shifted inputs

@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import rules as _rules  # noqa: F401  (registers the built-in rules)
 from .api import ModeWarning, VJPModule, code_with_shapes, grad, show, trace, vjp
 from .check import CheckReport, check
+from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, jvp
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
                      InputError, MissingRuleError, RuleError, SourceLoc)
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
@@ -21,5 +22,6 @@ __all__ = [
     "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
     "all_rules", "unregister", "Rule", "CheckReport", "VJPModule", "ModeWarning", "FxadError",
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
-    "CheckError", "InputError", "SourceLoc",
+    "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
+    "JVPModule", "BatchedDerivative",
 ]

@@ -90,8 +90,9 @@ def load_target(spec: str) -> tuple[Any, str]:
 
 
 def _is_target(v: Any) -> bool:
-    return callable(v) and not isinstance(v, type) or \
-        isinstance(v, type) and issubclass(v, torch.nn.Module)
+    if isinstance(v, type):
+        return issubclass(v, torch.nn.Module)
+    return callable(v)
 
 
 def input_namespace() -> dict[str, Any]:
@@ -164,6 +165,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         changes["steps"] = args.steps
     if args.float64:
         changes["dtype"] = torch.float64
+    if args.threads is not None:
+        if args.threads < 0:
+            raise UsageError("--threads must be >= 0")
+        changes["threads"] = args.threads
     if args.no_cnn:
         changes["cnn"] = False
     if args.no_code:
@@ -197,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="tiny model and few steps: a few "
                    "seconds")
     d.add_argument("--float64", action="store_true", help="train in float64")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: "
+                   "torch's choice; 1 with --quick)")
     d.add_argument("--no-cnn", action="store_true", help="skip the SmallCNN part")
     d.add_argument("--no-code", action="store_true", help="do not print generated code")
     d.add_argument("--no-progress", action="store_true", help="no progress display")

@@ -5,7 +5,8 @@ body transformer to a graph so that its generated Python (``gm.code``, ``to_fold
 
 * spells functions by their public name (``torch.nn.functional.gelu``, not
   ``torch._C._nn.gelu``; ``torch.split``, not ``torch.functional.split``);
-* carries, above each backward block, ``# backward of: <forward statement>  [file.py:line]``.
+* carries, above each backward block, ``# backward of: <forward statement>  [file.py:line]``
+  (``# tangent of: ...`` above forward-mode tangent code).
 
 The transformer relies on the ``# COUNTER: i`` markers FX puts in the body (torch >= 2.1);
 without them the code is unchanged apart from the spellings.
@@ -76,7 +77,7 @@ class BodyTransformer:
             if node is not None:
                 stmt = _statement(entries)
                 stmt_of[node.name] = stmt
-                block = node.meta.get("fxad_bwd_of")
+                block = _block(node)
                 if block is not None and block != prev_block and node.op != "placeholder":
                     out.append(self._header(block, node, stmt_of))
                 prev_block = block if node.op != "placeholder" else prev_block
@@ -88,16 +89,27 @@ class BodyTransformer:
             out.extend(entries)
         return [e for e in out if e != ""]
 
-    def _header(self, block: str, node: fx.Node, stmt_of: dict[str, str]) -> str:
+    def _header(self, block: tuple[str, str], node: fx.Node, stmt_of: dict[str, str]) -> str:
+        kind, block = block  # type: ignore[assignment]
         fwd = stmt_of.get(block, block)
-        text = f"# backward of: {fwd}" if fwd else f"# backward of {block}"
-        loc = node.meta.get("fxad_bwd_src")
+        text = f"# {kind} of: {fwd}" if fwd else f"# {kind} of {block}"
+        loc = node.meta.get("fxad_jvp_src" if kind == "tangent" else "fxad_bwd_src")
         if loc is None:
             fwd_node = self._by_name.get(block)
             loc = fwd_node.meta.get("fxad_loc") if fwd_node is not None else None
         if loc is not None:
             text += f"  [{loc.short()}]"
         return text + "\n"
+
+
+def _block(node: fx.Node) -> tuple[str, str] | None:
+    """The provenance block of a node: ``("tangent", fwd)`` for forward-mode tangent code
+    (``meta['fxad_jvp_of']``), ``("backward", fwd)`` for reverse-mode code."""
+    if node.meta.get("fxad_jvp_of") is not None:
+        return ("tangent", node.meta["fxad_jvp_of"])
+    if node.meta.get("fxad_bwd_of") is not None:
+        return ("backward", node.meta["fxad_bwd_of"])
+    return None
 
 
 def _append_note(entries: list[str], note: str) -> list[str]:

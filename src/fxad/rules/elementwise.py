@@ -158,8 +158,8 @@ class Pow:
         (a, b), (ta, tb) = primals, tangents
         out = a ** b
         t = None
-        if ta is not None:
-            t = ta * (b * a ** (b - 1))
+        if ta is not None and not (not _is_t(b) and b == 0):
+            t = ta * (2 * a) if (not _is_t(b) and b == 2) else ta * (b * a ** (b - 1))
         if tb is not None:
             t = _add(t, tb * (out * (math.log(a) if not _is_t(a) else torch.log(a))))
         return out, t
@@ -178,6 +178,13 @@ def _add(a: Any, b: Any) -> Any:
     if b is None:
         return a
     return a + b
+
+
+def _select(cond: Any, a: Any, b: Any) -> Any:
+    """``where(cond, a, b)`` for tangents, ``None`` meaning zero."""
+    if a is None and b is None:
+        return None
+    return torch.where(cond, 0.0 if a is None else a, 0.0 if b is None else b)
 
 
 # --- unary functions ------------------------------------------------------------------------
@@ -316,6 +323,13 @@ class Clamp:
             d_lo = torch.where(x > hi, 0.0, d_lo)
         return d_x, d_lo, d_hi
 
+    def jvp(primals, tangents):
+        (x, lo, hi), (tx, t_lo, t_hi) = primals, tangents
+        t = tx if lo is None else _select(x < lo, t_lo, tx)
+        if hi is not None:
+            t = _select(x > hi, t_hi, t)
+        return torch.clamp(x, lo, hi), t
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), -0.5, 0.5), {}
         yield (randn(3, 4, dtype=dtype),), {"min": 0.1}
@@ -334,6 +348,10 @@ class ClampMin:
         x, lo = aux
         return torch.where(x >= lo, d, 0.0), (torch.where(x < lo, d, 0.0) if _is_t(lo) else None)
 
+    def jvp(primals, tangents):
+        (x, lo), (tx, t_lo) = primals, tangents
+        return torch.clamp_min(x, lo), _select(x >= lo, tx, t_lo)
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 0.1), {}
 
@@ -348,6 +366,10 @@ class ClampMax:
     def bwd(aux, d):
         x, hi = aux
         return torch.where(x <= hi, d, 0.0), (torch.where(x > hi, d, 0.0) if _is_t(hi) else None)
+
+    def jvp(primals, tangents):
+        (x, hi), (tx, t_hi) = primals, tangents
+        return torch.clamp_max(x, hi), _select(x <= hi, tx, t_hi)
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 0.1), {}
@@ -368,10 +390,22 @@ def _maximum_minimum(op: Any) -> None:
         return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
                 torch.where(tie, half, torch.where(b == out, d, 0.0)))
 
+    def jvp(primals, tangents):
+        (a, b), (ta, tb) = primals, tangents
+        out = op(a, b)
+        return out, _tie_select(a, b, out, ta, tb)
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype)), {}
 
-    add_rule(op, fwd, bwd, samples=samples, source=_maximum_minimum.__doc__ or "", builtin=True)
+    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=_maximum_minimum.__doc__ or "",
+             builtin=True)
+
+
+def _tie_select(a: Any, b: Any, out: Any, ta: Any, tb: Any) -> Any:
+    """Tangent of a binary max/min: the selected operand's tangent, the mean on ties (the
+    transpose of the backward's even split)."""
+    return torch.where(a == b, _add(ta, tb) * 0.5, _select(a == out, ta, tb))
 
 
 _maximum_minimum(torch.maximum)
@@ -388,6 +422,10 @@ class Where:
 
     def bwd(cond, d):
         return None, torch.where(cond, d, 0.0), torch.where(cond, 0.0, d)
+
+    def jvp(primals, tangents):
+        (cond, a, b), (_, ta, tb) = primals, tangents
+        return torch.where(cond, a, b), _select(cond, ta, tb)
 
     def samples(dtype):
         x = randn(3, 4, dtype=dtype)
@@ -407,6 +445,13 @@ class MaskedFill:
         mask, value = aux
         d_value = torch.where(mask, d, 0.0).sum() if _is_t(value) else None
         return torch.masked_fill(d, mask, 0.0), None, d_value
+
+    def jvp(primals, tangents):
+        (x, mask, value), (tx, _, t_value) = primals, tangents
+        out = torch.masked_fill(x, mask, value)
+        if tx is None:
+            return out, torch.where(mask, t_value, 0.0)
+        return out, torch.masked_fill(tx, mask, 0.0 if t_value is None else t_value)
 
     def samples(dtype):
         x = randn(3, 4, dtype=dtype)

@@ -15,6 +15,14 @@ import torch.nn.functional as F
 from ._base import builtin, randn
 
 
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
 def _matmul_bwd(a, b, d):
     if a.dim() == 1 and b.dim() == 1:  # dot product
         return d * b, a * d
@@ -67,6 +75,11 @@ class Mm:
         a, b = aux
         return torch.mm(d, b.t()), torch.mm(a.t(), d)
 
+    def jvp(primals, tangents):
+        (a, b), (ta, tb) = primals, tangents
+        return torch.mm(a, b), _add(None if ta is None else torch.mm(ta, b),
+                                    None if tb is None else torch.mm(a, tb))
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), randn(4, 5, dtype=dtype)), {}
 
@@ -81,6 +94,11 @@ class Bmm:
     def bwd(aux, d):
         a, b = aux
         return torch.bmm(d, b.mT), torch.bmm(a.mT, d)
+
+    def jvp(primals, tangents):
+        (a, b), (ta, tb) = primals, tangents
+        return torch.bmm(a, b), _add(None if ta is None else torch.bmm(ta, b),
+                                     None if tb is None else torch.bmm(a, tb))
 
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype), randn(2, 4, 5, dtype=dtype)), {}
@@ -138,6 +156,15 @@ class Addmm:
         a, b, beta, alpha = aux
         d_ab = d if alpha == 1 else d * alpha
         return (d if beta == 1 else d * beta), torch.mm(d_ab, b.t()), torch.mm(a.t(), d_ab)
+
+    def jvp(primals, tangents):
+        (c, a, b, beta, alpha), (tc, ta, tb, _, _) = primals, tangents
+        t_ab = _add(None if ta is None else torch.mm(ta, b), None if tb is None else torch.mm(a, tb))
+        if t_ab is not None and alpha != 1:
+            t_ab = t_ab * alpha
+        if tc is not None and beta != 1:
+            tc = tc * beta
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha), _add(tc, t_ab)
 
     def samples(dtype):
         yield (randn(5, dtype=dtype), randn(3, 4, dtype=dtype), randn(4, 5, dtype=dtype)), {}

@@ -42,8 +42,9 @@ class Sum:
         return (restore_reduced(d, dims_of(dim, ndim), keepdim),)
 
     def jvp(primals, tangents):
-        args = primals[1:]
-        return torch.sum(primals[0], *args), torch.sum(tangents[0], *args)
+        x, dim, keepdim, dtype = primals
+        return (_reduce(torch.sum, x, dim, keepdim, dtype),
+                _reduce(torch.sum, tangents[0], dim, keepdim, dtype))
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
@@ -67,8 +68,9 @@ class Mean:
         return (restore_reduced(d, dims if dim is not None else (), keepdim) / n,)
 
     def jvp(primals, tangents):
-        args = primals[1:]
-        return torch.mean(primals[0], *args), torch.mean(tangents[0], *args)
+        x, dim, keepdim, dtype = primals
+        return (_reduce(torch.mean, x, dim, keepdim, dtype),
+                _reduce(torch.mean, tangents[0], dim, keepdim, dtype))
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
@@ -109,6 +111,15 @@ class Var:
         return (restore_reduced(d, dims if dim is not None else (), keepdim)
                 * (centered * (2.0 / max(n - corr, 0))),)
 
+    def jvp(primals, tangents):
+        x, dim, unbiased, keepdim, correction = primals
+        dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)
+        out = torch.var(x, dim_, correction=corr, keepdim=keep)
+        dims = dims_of(dim_, x.dim())
+        n = _count(tuple(x.shape), dims)
+        centered = x - torch.mean(x, dims, keepdim=True)
+        return out, torch.sum(centered * tangents[0], dims, keep) * (2.0 / max(n - corr, 0))
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
         yield (randn(3, 4, 5, dtype=dtype), 1), {"keepdim": True}
@@ -135,9 +146,60 @@ class Std:
         scale = restore_reduced(d / out, red, keepdim) * (1.0 / max(n - corr, 0))
         return (centered * scale,)
 
+    def jvp(primals, tangents):
+        x, dim, unbiased, keepdim, correction = primals
+        dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)
+        out = torch.std(x, dim_, correction=corr, keepdim=keep)
+        dims = dims_of(dim_, x.dim())
+        n = _count(tuple(x.shape), dims)
+        centered = x - torch.mean(x, dims, keepdim=True)
+        return out, torch.sum(centered * tangents[0], dims, keep) * (1.0 / max(n - corr, 0)) / out
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
         yield (randn(3, 4, 5, dtype=dtype), 1), {"keepdim": True}
+
+
+@builtin(torch.var_mean)
+class VarMean:
+    """var_mean(x, dim, correction) -> (var, mean): d_x = d_var * 2 (x - mean) / (n - correction)
+    + d_mean / n (derivatives.yaml `var_mean.correction`: var_mean_backward).  Used by the
+    normalization rules, so second derivatives through layer/batch norm need it."""
+
+    def fwd(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+        dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)
+        out = torch.var_mean(input, dim_, correction=corr, keepdim=keep)
+        return out, (input, dim_, keep, corr)
+
+    def bwd(aux, d):
+        x, dim, keepdim, corr = aux
+        d_var, d_mean = d
+        dims = dims_of(dim, x.dim())
+        n = _count(tuple(x.shape), dims)
+        red = dims if dim is not None else ()
+        d_x = None
+        if d_var is not None:
+            centered = x - torch.mean(x, dims, keepdim=True)
+            d_x = restore_reduced(d_var, red, keepdim) * (centered * (2.0 / max(n - corr, 0)))
+        if d_mean is not None:
+            d_m = restore_reduced(d_mean, red, keepdim) / n
+            d_x = d_m if d_x is None else d_x + d_m
+        return (d_x,)
+
+    def jvp(primals, tangents):
+        x, dim, unbiased, keepdim, correction = primals
+        tx = tangents[0]
+        dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)
+        out = torch.var_mean(x, dim_, correction=corr, keepdim=keep)
+        dims = dims_of(dim_, x.dim())
+        n = _count(tuple(x.shape), dims)
+        centered = x - torch.mean(x, dims, keepdim=True)
+        t_var = torch.sum(centered * tx, dims, keep) * (2.0 / max(n - corr, 0))
+        return out, (t_var, torch.mean(tx, dims, keep))
+
+    def samples(dtype):
+        yield (randn(3, 4, dtype=dtype),), {}
+        yield (randn(3, 4, 5, dtype=dtype), (1, 2)), {"correction": 0, "keepdim": True}
 
 
 def _amax_like(op: Any) -> Any:
@@ -154,6 +216,14 @@ def _amax_like(op: Any) -> Any:
             hit = (x == restore_reduced(out, red, keepdim)).to(x.dtype)
             count = torch.sum(hit, red, keepdim=True)
             return (restore_reduced(d, red, keepdim) * (hit / count),)
+
+        def jvp(primals, tangents):
+            (x, dim, keepdim), tx = primals, tangents[0]
+            out = op(x, dim, keepdim)
+            red = dims_of(dim, x.dim()) if dim != () else tuple(range(x.dim()))
+            hit = (x == restore_reduced(out, red, keepdim)).to(x.dtype)
+            count = torch.sum(hit, red, keepdim=True)
+            return out, torch.sum(tx * (hit / count), red, keepdim)
 
         def samples(dtype):
             yield (randn(3, 4, dtype=dtype), 1), {}
@@ -204,6 +274,21 @@ def _max_like(op: Any, elementwise: Any) -> Any:
                 idx = torch.unsqueeze(idx, dim)
             return (torch.zeros_like(x).scatter(dim, idx, d_values),)
 
+        def jvp(primals, tangents):
+            (x, dim, keepdim), (tx, t_other, _) = primals, tangents
+            if dim is None:
+                out = op(x)
+                hit = (x == out).to(x.dtype)
+                return out, torch.sum(hit * tx) / torch.sum(hit)
+            if hasattr(dim, "node") or isinstance(dim, torch.Tensor):  # binary form
+                from .elementwise import _tie_select
+                out = elementwise(x, dim)
+                return out, _tie_select(x, dim, out, tx, t_other)
+            out = op(x, dim, keepdim)
+            idx = out[1] if keepdim else torch.unsqueeze(out[1], dim)
+            t = torch.gather(tx, dim, idx)
+            return out, (t if keepdim else torch.squeeze(t, dim), None)
+
         def samples(dtype):
             yield (randn(3, 4, dtype=dtype),), {}
             yield (randn(3, 4, dtype=dtype), 1), {}
@@ -236,6 +321,13 @@ class LogSumExp:
         x, dim, keepdim, out = aux
         dims = dims_of(dim, x.dim())
         return (restore_reduced(d, dims, keepdim) * torch.exp(x - restore_reduced(out, dims, keepdim)),)
+
+    def jvp(primals, tangents):
+        (x, dim, keepdim), tx = primals, tangents[0]
+        out = torch.logsumexp(x, dim, keepdim)
+        dims = dims_of(dim, x.dim())
+        return out, torch.sum(tx * torch.exp(x - restore_reduced(out, dims, keepdim)), dims,
+                              keepdim)
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 1), {}

@@ -42,6 +42,10 @@ class GetItem:
             0, torch.reshape(positions, (-1,)), torch.reshape(d, (-1,)))
         return torch.reshape(flat, tuple(x.shape)), None
 
+    def jvp(primals, tangents):
+        (x, index), tx = primals, tangents[0]
+        return x[index], tx[index]
+
     def samples(dtype):
         x = randn(4, 5, dtype=dtype)
         yield (x, (slice(None), None, Ellipsis, slice(1, 3))), {}
@@ -61,6 +65,12 @@ class SetItem:
 
     def bwd(index, d):
         return ops.setitem(d, index, 0.0), None, d[index]
+
+    def jvp(primals, tangents):
+        (x, index, value), (tx, _, t_value) = primals, tangents
+        base = torch.zeros_like(x) if tx is None else tx
+        return ops.setitem(x, index, value), ops.setitem(base, index,
+                                                        0.0 if t_value is None else t_value)
 
     def samples(dtype):
         yield (randn(4, 5, dtype=dtype), (slice(1, 3),), randn(5, dtype=dtype)), {}
@@ -95,6 +105,9 @@ class Flatten:
     def bwd(shape, d):
         return (torch.reshape(d, shape),)
 
+    def jvp(primals, tangents):
+        return torch.flatten(*primals), torch.flatten(tangents[0], *primals[1:])
+
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype),), {}
         yield (randn(2, 3, 4, dtype=dtype), 1), {}
@@ -111,6 +124,12 @@ class Squeeze:
     def bwd(shape, d):
         return (torch.reshape(d, shape),)
 
+    def jvp(primals, tangents):
+        (x, dim), t = primals, tangents[0]
+        if dim is None:
+            return torch.squeeze(x), torch.squeeze(t)
+        return torch.squeeze(x, dim), torch.squeeze(t, dim)
+
     def samples(dtype):
         yield (randn(3, 1, 4, 1, dtype=dtype),), {}
         yield (randn(3, 1, 4, dtype=dtype), 1), {}
@@ -125,6 +144,9 @@ class Unsqueeze:
 
     def bwd(dim, d):
         return (torch.squeeze(d, dim),)
+
+    def jvp(primals, tangents):
+        return torch.unsqueeze(*primals), torch.unsqueeze(tangents[0], primals[1])
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 1), {}
@@ -145,6 +167,9 @@ class Permute:
             inverse[p % n] = i
         return (torch.permute(d, tuple(inverse)),)
 
+    def jvp(primals, tangents):
+        return torch.permute(*primals), torch.permute(tangents[0], primals[1])
+
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype), (2, 0, 1)), {}
 
@@ -159,6 +184,9 @@ class Transpose:
     def bwd(aux, d):
         return (torch.transpose(d, *aux),)
 
+    def jvp(primals, tangents):
+        return torch.transpose(*primals), torch.transpose(tangents[0], *primals[1:])
+
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype), 0, 2), {}
 
@@ -172,6 +200,9 @@ class T:
 
     def bwd(aux, d):
         return (torch.t(d),)
+
+    def jvp(primals, tangents):
+        return torch.t(primals[0]), torch.t(tangents[0])
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
@@ -188,6 +219,9 @@ class Expand:
     def bwd(aux, d):
         return (d,)
 
+    def jvp(primals, tangents):
+        return primals[0].expand(*primals[1:]), tangents[0].expand(*primals[1:])
+
     def samples(dtype):
         yield (randn(3, 1, dtype=dtype), (2, 3, 4)), {}
 
@@ -201,6 +235,9 @@ class SumToSize:
 
     def bwd(aux, d):
         return (d,)
+
+    def jvp(primals, tangents):
+        return primals[0].sum_to_size(*primals[1:]), tangents[0].sum_to_size(*primals[1:])
 
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype), (3, 1)), {}
@@ -225,6 +262,12 @@ class Repeat:
         d = torch.reshape(d, tuple(folded)).sum(tuple(range(0, 2 * len(reps), 2)))
         return (torch.reshape(d, shape),)
 
+    def jvp(primals, tangents):
+        x, *sizes = primals
+        reps = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) \
+            else tuple(sizes)
+        return x.repeat(reps), tangents[0].repeat(reps)
+
     def samples(dtype):
         yield (randn(2, 3, dtype=dtype), (2, 1, 2)), {}
 
@@ -238,6 +281,9 @@ class Flip:
 
     def bwd(dims, d):
         return (torch.flip(d, dims),)
+
+    def jvp(primals, tangents):
+        return torch.flip(*primals), torch.flip(tangents[0], primals[1])
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), (0, 1)), {}
@@ -253,6 +299,9 @@ class Movedim:
     def bwd(aux, d):
         return (torch.movedim(d, aux[1], aux[0]),)
 
+    def jvp(primals, tangents):
+        return torch.movedim(*primals), torch.movedim(tangents[0], *primals[1:])
+
     def samples(dtype):
         yield (randn(2, 3, 4, dtype=dtype), 0, -1), {}
 
@@ -266,11 +315,14 @@ def _triangular(op: Any) -> None:
     def bwd(diagonal, d):
         return (op(d, diagonal),)
 
+    def jvp(primals, tangents):
+        return op(*primals), op(tangents[0], primals[1])
+
     def samples(dtype):
         yield (randn(4, 4, dtype=dtype),), {}
         yield (randn(2, 3, 4, dtype=dtype), 1), {}
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
+    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
              source=f"{op.__name__}(x, k): the same mask applied to d (derivatives.yaml "
                     f"`{op.__name__}`)")
 
@@ -291,6 +343,10 @@ class Cat:
         parts = torch.split(d, sizes, dim)
         return ([parts[i] for i in range(len(sizes))],)
 
+    def jvp(primals, tangents):
+        (xs, dim), ts = primals, tangents[0]
+        return torch.cat(xs, dim), torch.cat(_filled(xs, ts), dim)
+
     def samples(dtype):
         yield ([randn(2, 3, dtype=dtype), randn(4, 3, dtype=dtype)],), {}
         yield ([randn(2, 3, dtype=dtype), randn(2, 1, dtype=dtype)], 1), {}
@@ -308,9 +364,20 @@ class Stack:
         parts = torch.unbind(d, dim)
         return ([parts[i] for i in range(n)],)
 
+    def jvp(primals, tangents):
+        (xs, dim), ts = primals, tangents[0]
+        return torch.stack(xs, dim), torch.stack(_filled(xs, ts), dim)
+
     def samples(dtype):
         yield ([randn(2, 3, dtype=dtype), randn(2, 3, dtype=dtype)],), {}
         yield ([randn(2, 3, dtype=dtype), randn(2, 3, dtype=dtype)], -1), {}
+
+
+def _filled(xs: Any, ts: Any) -> list[Any]:
+    """Tangents of a list argument with zeros for the constant entries."""
+    xs = list(xs)
+    ts = [None] * len(xs) if ts is None else list(ts)
+    return [torch.zeros_like(x) if t is None else t for x, t in zip(xs, ts)]
 
 
 def _joined(out: Any, d: tuple, dim: int, join: Any) -> Any:
@@ -331,6 +398,9 @@ class Split:
         out, dim = aux
         return (_joined(out, d, dim, torch.cat),)
 
+    def jvp(primals, tangents):
+        return torch.split(*primals), torch.split(tangents[0], *primals[1:])
+
     def samples(dtype):
         yield (randn(5, 3, dtype=dtype), 2), {}
         yield (randn(5, 3, dtype=dtype), [1, 2]), {"dim": 1}
@@ -347,6 +417,9 @@ class Chunk:
     def bwd(aux, d):
         out, dim = aux
         return (_joined(out, d, dim, torch.cat),)
+
+    def jvp(primals, tangents):
+        return torch.chunk(*primals), torch.chunk(tangents[0], *primals[1:])
 
     def samples(dtype):
         yield (randn(6, 3, dtype=dtype), 3), {}
@@ -365,6 +438,9 @@ class Unbind:
         out, dim = aux
         return (_joined(out, d, dim, torch.stack),)
 
+    def jvp(primals, tangents):
+        return torch.unbind(*primals), torch.unbind(tangents[0], primals[1])
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
         yield (randn(3, 4, dtype=dtype), 1), {}
@@ -381,8 +457,99 @@ class Gather:
         x, dim, index = aux
         return torch.zeros_like(x).scatter_add(dim, index, d), None, None
 
+    def jvp(primals, tangents):
+        (x, dim, index, _), tx = primals, tangents[0]
+        return torch.gather(x, dim, index), torch.gather(tx, dim, index)
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 1, torch.tensor([[0, 0], [1, 3], [2, 2]])), {}
+
+
+def _zeros_if_none(t: Any, like: Any) -> Any:
+    return torch.zeros_like(like) if t is None else t
+
+
+@builtin(torch.scatter_add)
+class ScatterAdd:
+    """scatter_add(x, dim, idx, src): d_x = d, d_src = gather(d, dim, idx) (derivatives.yaml
+    `scatter_add`).  Linear in (x, src): the JVP is the same scatter_add of the tangents.
+    Needed to differentiate the backward of ``gather`` / ``max_pool2d`` a second time."""
+
+    def fwd(input, dim, index, src):
+        return torch.scatter_add(input, dim, index, src), (dim, index)
+
+    def bwd(aux, d):
+        dim, index = aux
+        return d, None, None, torch.gather(d, dim, index)
+
+    def jvp(primals, tangents):
+        (x, dim, index, src), (tx, _, _, t_src) = primals, tangents
+        return (torch.scatter_add(x, dim, index, src),
+                torch.scatter_add(_zeros_if_none(tx, x), dim, index, _zeros_if_none(t_src, src)))
+
+    def samples(dtype):
+        yield (randn(3, 4, dtype=dtype), 1, torch.tensor([[0, 0], [1, 3], [2, 2]]),
+               randn(3, 2, dtype=dtype)), {}
+
+
+@builtin(torch.scatter)
+class Scatter:
+    """scatter(x, dim, idx, src): d_x = d with the written positions zeroed, d_src =
+    gather(d, dim, idx) (derivatives.yaml `scatter.src`, `scatter.value`); indices are assumed
+    unique, as PyTorch's own derivative does."""
+
+    def fwd(input, dim, index, src):
+        return torch.scatter(input, dim, index, src), (dim, index, _is_tensor(src))
+
+    def bwd(aux, d):
+        dim, index, src_is_tensor = aux
+        return (torch.scatter(d, dim, index, 0.0), None, None,
+                torch.gather(d, dim, index) if src_is_tensor else None)
+
+    def jvp(primals, tangents):
+        (x, dim, index, src), (tx, _, _, t_src) = primals, tangents
+        base = _zeros_if_none(tx, x)
+        if not _is_tensor(src):
+            return torch.scatter(x, dim, index, src), torch.scatter(base, dim, index, 0.0)
+        return (torch.scatter(x, dim, index, src),
+                torch.scatter(base, dim, index, _zeros_if_none(t_src, src)))
+
+    def samples(dtype):
+        yield (randn(3, 4, dtype=dtype), 1, torch.tensor([[0, 1], [3, 2], [2, 0]]),
+               randn(3, 2, dtype=dtype)), {}
+        yield (randn(3, 4, dtype=dtype), 1, torch.tensor([[0], [3], [2]]), 0.5), {}
+
+
+@builtin(torch.index_add)
+class IndexAdd:
+    """index_add(x, dim, idx, src, alpha): d_x = d, d_src = alpha * index_select(d, dim, idx)
+    (derivatives.yaml `index_add`).  Linear in (x, src).  Needed to differentiate the backward
+    of indexing / ``index_select`` a second time."""
+
+    def fwd(input, dim, index, source, *, alpha=1):
+        out = torch.index_add(input, dim, index, source) if alpha == 1 else \
+            torch.index_add(input, dim, index, source, alpha=alpha)
+        return out, (dim, index, alpha)
+
+    def bwd(aux, d):
+        dim, index, alpha = aux
+        d_src = torch.index_select(d, dim, index)
+        return d, None, None, (d_src if alpha == 1 else d_src * alpha)
+
+    def jvp(primals, tangents):
+        (x, dim, index, src, alpha), (tx, _, _, t_src, _) = primals, tangents
+        kw = {} if alpha == 1 else {"alpha": alpha}
+        return (torch.index_add(x, dim, index, src, **kw),
+                torch.index_add(_zeros_if_none(tx, x), dim, index, _zeros_if_none(t_src, src), **kw))
+
+    def samples(dtype):
+        yield (randn(3, 4, dtype=dtype), 1, torch.tensor([0, 3, 3]), randn(3, 3, dtype=dtype)), {}
+        yield (randn(5, dtype=dtype), 0, torch.tensor([1, 1]), randn(2, dtype=dtype)), \
+            {"alpha": 2.0}
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) or hasattr(x, "node")
 
 
 @builtin(torch.index_select)
@@ -396,6 +563,10 @@ class IndexSelect:
     def bwd(aux, d):
         x, dim, index = aux
         return torch.zeros_like(x).index_add(dim, index, d), None, None
+
+    def jvp(primals, tangents):
+        (x, dim, index), tx = primals, tangents[0]
+        return torch.index_select(x, dim, index), torch.index_select(tx, dim, index)
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype), 1, torch.tensor([0, 3, 3])), {}
@@ -412,10 +583,14 @@ def _identity(op: Any, call: Any) -> None:
     def bwd(aux, d):
         return (d,)
 
+    def jvp(primals, tangents):  # primals: (self, *args, kwargs)
+        x, *args, kwargs = primals
+        return call(x, *args, **kwargs), call(tangents[0], *args, **kwargs)
+
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
+    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
              source="identity up to a cast or copy: d_x = d cast back to x's dtype "
                     "(derivatives.yaml `_to_copy`, `clone`)")
 
@@ -436,7 +611,10 @@ def _zero_derivative(op: Any) -> None:
     def bwd(aux, d):
         return ()
 
-    add_rule(op, fwd, bwd, builtin=True,
+    def jvp(primals, tangents):  # primals: (*args, kwargs)
+        return op(*primals[:-1], **primals[-1]), None
+
+    add_rule(op, fwd, bwd, jvp=jvp, builtin=True,
              source=f"{getattr(op, '__name__', op)} has zero derivative (piecewise constant or "
                     "a new tensor built from shape only)")
 
