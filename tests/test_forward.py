@@ -95,3 +95,297 @@ def test_rules_without_jvp_use_transposition():
     missing = sorted(op_name(op) for op, r in fxad.all_rules().items() if r.jvp is None)
     assert all(name.startswith(("torch.nn.functional.", "torch.dropout")) for name in missing), \
         missing
+
+
+# --- demo-like models -----------------------------------------------------------------------
+
+D = torch.float64
+
+
+def mlp_loss(w1, b1, w2, b2, x, y):
+    h = torch.tanh(x @ w1 + b1)
+    return ((h @ w2 + b2 - y) ** 2).mean()
+
+
+def _mlp_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, dtype=D, generator=g)  # noqa: E731
+    return r(3, 4), r(4), r(4, 2), r(2), r(5, 3), r(5, 2)
+
+
+def block(p, x):
+    """A small transformer-like block: layer norm, single-head attention, GELU MLP, residuals."""
+    h = F.layer_norm(x, (8,), p["ln_w"], p["ln_b"])
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    att = torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, dim=-1)
+    x = x + att @ v
+    return x + F.gelu(F.linear(x, p["w1"], p["b1"])) @ p["w2"]
+
+
+def block_loss(p, x):
+    return (block(p, x) ** 2).mean()
+
+
+def _block_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, dtype=D, generator=g)  # noqa: E731
+    p = {"ln_w": r(8), "ln_b": r(8), "wq": r(8, 8) / 3, "wk": r(8, 8) / 3, "wv": r(8, 8) / 3,
+         "w1": r(16, 8) / 3, "b1": r(16), "w2": r(16, 8) / 3}
+    return p, r(2, 5, 8)
+
+
+def _randn_like_tree(tree, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return pytree.tree_map(lambda v: torch.randn(v.shape, dtype=v.dtype, generator=g), tree)
+
+
+def test_jvp_mlp_matches_torch_func():
+    xs = _mlp_inputs()
+    ts = _randn_like_tree(xs)
+    out, t = fxad.jvp(mlp_loss, *xs)(*xs, *ts)
+    ref = torch.func.jvp(mlp_loss, xs, ts)
+    _close((out, t), ref)
+
+
+def test_jvp_block_with_pytree_inputs():
+    p, x = _block_inputs()
+    tp, tx = _randn_like_tree((p, x))
+    gm = fxad.jvp(block, p, x)
+    _close(gm(p, x, tp, tx), torch.func.jvp(block, (p, x), (tp, tx)))
+    # a None leaf of a tangent pytree is a zero tangent
+    tp0 = dict(tp, ln_w=None)
+    ref = torch.func.jvp(block, (p, x), (dict(tp, ln_w=torch.zeros(8, dtype=D)), tx))
+    _close(gm(p, x, tp0, tx), ref)
+
+
+def test_jvp_of_module_differentiates_inputs():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)).double()
+    x, t = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    out, t_out = fxad.jvp(m, x)(x, t)
+    ref = torch.func.jvp(m, (x,), (t,))
+    _close((out, t_out), ref)
+
+
+def test_hvp_mlp_matches_torch_func():
+    xs = _mlp_inputs()
+    ts = _randn_like_tree(xs[:4]) + (None, None)
+    h = fxad.hvp(mlp_loss, *xs, argnums=(0, 1, 2, 3))
+    grads, hvps = h(*xs, *ts)
+    assert grads[4] is None and hvps[5] is None
+    ref_g, ref_h = torch.func.jvp(lambda *w: torch.func.grad(mlp_loss, argnums=(0, 1, 2, 3))(*w, *xs[4:]),
+                                  xs[:4], ts[:4])
+    _close(grads[:4], ref_g)
+    _close(hvps[:4], ref_h)
+
+
+def test_hvp_block_matches_torch_func():
+    p, x = _block_inputs()
+    tp, tx = _randn_like_tree((p, x))
+    grads, hvps = fxad.hvp(block_loss, p, x)(p, x, tp, tx)
+    ref = torch.func.jvp(torch.func.grad(block_loss, argnums=(0, 1)), (p, x), (tp, tx))
+    _close(grads, ref[0])
+    _close(hvps, ref[1])
+
+
+def test_jacobians_match_torch_func():
+    p, x = _block_inputs()
+    for jac, ref in ((fxad.jacrev, torch.func.jacrev), (fxad.jacfwd, torch.func.jacfwd)):
+        J = jac(block, p, x, argnums=(0, 1))
+        got, want = J(p, x), ref(block, argnums=(0, 1))(p, x)
+        assert pytree.tree_structure(got) == pytree.tree_structure(want)
+        _close(got, want)
+        assert "def forward" in J.code
+    xs = _mlp_inputs()
+    _close(fxad.jacfwd(mlp_loss, *xs, argnums=2)(*xs), torch.func.jacfwd(mlp_loss, argnums=2)(*xs))
+    _close(fxad.jacrev(mlp_loss, *xs, argnums=2)(*xs), torch.func.jacrev(mlp_loss, argnums=2)(*xs))
+
+
+def test_hessian_mlp_matches_torch_func():
+    xs = _mlp_inputs()
+    H = fxad.hessian(mlp_loss, *xs, argnums=(0, 1, 2, 3))(*xs)
+    ref = torch.func.hessian(mlp_loss, argnums=(0, 1, 2, 3))(*xs)
+    assert pytree.tree_structure(H) == pytree.tree_structure(ref)
+    _close(H, ref)
+    H0 = fxad.hessian(mlp_loss, *xs, argnums=0)(*xs)
+    assert H0.shape == (3, 4, 3, 4)
+    _close(H0, ref[0][0])
+
+
+def _autograd_hessian_block(p, x, wrt_a, wrt_b):
+    """d(grad wrt_a)/d(wrt_b) with autograd double backward (create_graph=True)."""
+    pp = {k: v.clone().requires_grad_() for k, v in p.items()}
+    xx = x.clone().requires_grad_()
+    leaf = lambda k: xx if k == "x" else pp[k]  # noqa: E731
+    g = torch.autograd.grad(block_loss(pp, xx), leaf(wrt_a), create_graph=True)[0]
+    rows = [torch.autograd.grad(gi, leaf(wrt_b), retain_graph=True)[0] for gi in g.reshape(-1)]
+    return torch.stack(rows).reshape(g.shape + leaf(wrt_b).shape)
+
+
+def test_hessian_block_matches_autograd_double_backward():
+    # reference: autograd double backward (torch.func.hessian disagrees with both for the
+    # ln_w / x block in torch 2.x: its forward-over-reverse of native_layer_norm_backward)
+    p, x = _block_inputs()
+    H = fxad.hessian(block_loss, p, x, argnums=(0, 1))(p, x)
+    for a, b in (("ln_w", "x"), ("wq", "wk"), ("x", "x"), ("w1", "ln_b")):
+        got = H[0 if a != "x" else 1]
+        got = got[a] if a != "x" else got
+        got = got[0 if b != "x" else 1]
+        got = got[b] if b != "x" else got
+        _close(got, _autograd_hessian_block(p, x, a, b))
+
+
+def test_second_order_composition_matches_autograd():
+    x = torch.randn(5, dtype=D)
+
+    def f(x):
+        return (torch.sin(x) * torch.exp(x / 3)).sum() + (x ** 3).sum()
+
+    g = fxad.grad(f, x)
+    xr = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(f(xr), xr, create_graph=True)
+    v = torch.randn(5, dtype=D)
+    (ref,) = torch.autograd.grad(dx, xr, v)
+    # reverse over reverse
+    (_, (d_x,)), (vjp_x,) = fxad.vjp(g, x)(x, (torch.zeros((), dtype=D), (v,)))
+    torch.testing.assert_close(d_x, dx.detach())
+    torch.testing.assert_close(vjp_x, ref)
+    # forward over reverse
+    (_, (d_x,)), (_, (t_d_x,)) = fxad.jvp(g, x)(x, v)
+    torch.testing.assert_close(t_d_x, ref)
+    # the Hessian, three ways
+    H = torch.func.hessian(f)(x)
+    torch.testing.assert_close(fxad.hessian(f, x)(x), H)
+    torch.testing.assert_close(fxad.jacfwd(g, x)(x)[1][0], H)
+
+
+def test_third_order():
+    x = torch.randn(4, dtype=D)
+
+    def f(x):
+        return torch.tanh(x).pow(3).sum()
+
+    h = fxad.hvp(f, x)                     # (grads, hvps) in forward-over-reverse code
+    v, w = torch.randn(4, dtype=D), torch.randn(4, dtype=D)
+    (_, (hv,)), (_, (t_hv,)) = fxad.jvp(h, x, v)(x, v, w, None)
+    ref = torch.func.jvp(lambda x: torch.func.jvp(torch.func.grad(f), (x,), (v,))[1], (x,), (w,))[1]
+    torch.testing.assert_close(t_hv, ref)
+
+
+# --- code quality -----------------------------------------------------------------------------
+
+def mlp_hvp_loss(x, w1, w2):
+    h = torch.tanh(x @ w1)
+    return (h @ w2).pow(2).mean()
+
+
+def test_golden_hvp_mlp():
+    xs = (torch.randn(5, 4), torch.randn(4, 8), torch.randn(8, 2))
+    gm = fxad.hvp(mlp_hvp_loss, *xs, argnums=(1, 2))
+    code = fxad.code_with_shapes(gm)
+    path = GOLDEN / "hvp_mlp.py.txt"
+    if os.environ.get("FXAD_UPDATE_GOLDEN"):
+        path.write_text(code)
+    assert code == path.read_text()
+
+
+def test_second_order_code_has_no_zero_towers():
+    xs = _mlp_inputs()
+    code = fxad.hvp(mlp_loss, *xs, argnums=(0, 1, 2, 3)).code
+    assert "zeros" not in code
+    assert "# tangent of:" in code and "# backward of:" in code
+    assert "dot_d_w1" in code  # the HVP w.r.t. w1 is named after the gradient it perturbs
+    body = code.split("return")[0]
+    assert "dot_x" not in body.split("):", 1)[1]  # x is data: no tangent code for it
+
+
+def test_jvp_code_is_readable():
+    def f(x, w):
+        return torch.tanh(x @ w).sum()
+
+    code = fxad.jvp(f, torch.randn(3, 4), torch.randn(4, 2)).code
+    assert "def forward(self, x, w, dot_x, dot_w):" in code
+    assert "# tangent of: tanh = torch.tanh(matmul)" in code
+    assert "dot_tanh" in code and "return (sum_1, dot_sum_1)" in code
+
+
+# --- rules without jvp ------------------------------------------------------------------------
+
+def my_softplus(x):
+    return torch.log1p(torch.exp(x))
+
+
+torch.fx.wrap("my_softplus")
+
+
+def test_user_rule_without_jvp_is_transposed():
+    class Softplus:
+        def fwd(x):
+            return my_softplus(x), x
+
+        def bwd(x, d):
+            return (d * torch.sigmoid(x),)
+
+    fxad.register_vjp(my_softplus, fwd=Softplus.fwd, bwd=Softplus.bwd)
+    try:
+        def f(x, y):
+            return my_softplus(x * y) * y
+
+        x, y, tx, ty = (torch.randn(3, 4, dtype=D) for _ in range(4))
+        gm = fxad.jvp(f, x, y)
+        _close(gm(x, y, tx, ty), torch.func.jvp(f, (x, y), (tx, ty)))
+        assert "torch.sigmoid" in gm.code
+    finally:
+        fxad.unregister(my_softplus)
+
+
+# --- bad input and conventions ----------------------------------------------------------------
+
+def test_mismatched_tangent_shape_raises_before_running():
+    calls = []
+
+    def f(x, w):
+        calls.append(1)
+        return (x @ w).sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    gm = fxad.jvp(f, x, w)
+    with pytest.raises(fxad.InputError, match=r"tangent `dot_w` has shape \(2, 4\).*\(4, 2\)"):
+        gm(x, w, torch.randn(3, 4), torch.randn(2, 4))
+    with pytest.raises(fxad.InputError, match="dtype"):
+        gm(x, w, torch.randn(3, 4, dtype=D), torch.randn(4, 2))
+    with pytest.raises(fxad.InputError, match="2 primal"):
+        gm(x, w, torch.randn(3, 4))
+    with pytest.raises(fxad.InputError, match="structure"):
+        fxad.jvp(block, *_block_inputs())(*_block_inputs(), {"ln_w": None}, None)
+    h = fxad.hvp(f, x, w)
+    with pytest.raises(fxad.InputError):
+        h(x, w, torch.randn(4), None)
+
+
+def test_integer_inputs_get_none_tangents():
+    def f(x, idx):
+        return x[idx].sum(0), idx * 2
+
+    x, idx = torch.randn(5, 3), torch.tensor([0, 2, 2])
+    gm = fxad.jvp(f, x, idx)
+    t = torch.randn(5, 3)
+    (out, idx2), (t_out, t_idx2) = gm(x, idx, t, None)
+    assert t_idx2 is None
+    torch.testing.assert_close(t_out, t[idx].sum(0))
+    with pytest.raises(fxad.InputError, match="must be None"):
+        gm(x, idx, t, torch.ones(3))
+    grads, hvps = fxad.hvp(lambda x, idx: x[idx].pow(3).sum(), x, idx)(x, idx, t, None)
+    assert grads[1] is None and hvps[1] is None
+
+
+@pytest.mark.parametrize("op", [torch.relu, torch.abs, F.relu])
+def test_nondifferentiable_points_follow_pytorch(op):
+    x = torch.tensor([-1.0, 0.0, 2.0], dtype=D)
+    t = torch.ones(3, dtype=D)
+    _, t_out = fxad.jvp(lambda x: op(x), x)(x, t)
+    _, ref = torch.func.jvp(op, (x,), (t,))
+    torch.testing.assert_close(t_out, ref)
+    assert t_out[1] == 0
+    f = lambda x: (op(x) ** 2).sum()  # noqa: E731
+    torch.testing.assert_close(fxad.hessian(f, x)(x), torch.func.hessian(f)(x))

@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="tiny model and few steps: a few "
                    "seconds")
     d.add_argument("--float64", action="store_true", help="train in float64")
-    d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: "
-                   "torch's choice; 1 with --quick)")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1; "
+                   "0: torch's default)")
     d.add_argument("--no-cnn", action="store_true", help="skip the SmallCNN part")
     d.add_argument("--no-code", action="store_true", help="do not print generated code")
     d.add_argument("--no-progress", action="store_true", help="no progress display")

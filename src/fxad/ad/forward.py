@@ -173,6 +173,7 @@ class ForwardTransform:
         self.tangent_placeholders: list[fx.Node] = []
         for n in inputs:
             ph = self.graph.placeholder(TANGENT_PREFIX + n.name)
+            ph.target = ph.name  # FX prints placeholders by target: keep them unique
             ph.meta["fxad_tangent"] = True
             ph.meta["fxad_tan_of"] = n.name
             ph.meta["val"] = n.meta.get("val") if n in leaves else None
@@ -225,6 +226,10 @@ class ForwardTransform:
         sbound.apply_defaults()
         primals = tuple(flat_params(sig, bound))
         tangents = tuple(self._tangents_of(a) for a in flat_params(sig, sbound))
+        if all(t is None for t in pytree.tree_leaves(tangents)):
+            # every tangent flowing in is symbolically zero (e.g. through torch.ones_like)
+            self.env[node] = self._copy(node)
+            return
         last = self.graph._root.prev  # nodes created from here on belong to this rule
         with self.em.meta_defaults(**self._meta(node)):
             if rule.jvp is not None:

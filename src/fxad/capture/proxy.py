@@ -72,7 +72,23 @@ def is_float_val(v: Any) -> bool:
 
 _FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_PREFIXES = (_FXAD_DIR, _TORCH_DIR, os.path.dirname(contextlib.__file__))
+_STDLIB_DIR = os.path.dirname(contextlib.__file__)
+# fxad's own machinery (not its demo models), torch, and the standard library proper
+_SKIP_DIRS = tuple(os.path.join(d, "") for d in (
+    os.path.join(_FXAD_DIR, "capture"), os.path.join(_FXAD_DIR, "ad"),
+    os.path.join(_FXAD_DIR, "rules"), os.path.join(_FXAD_DIR, "simplify"),
+    os.path.join(_FXAD_DIR, "codegen"), _TORCH_DIR))
+_SKIP_FILES = tuple(os.path.join(_FXAD_DIR, f) for f in (
+    "api.py", "check.py", "higher.py", "ops.py", "__init__.py", "coverage.py"))
+_SITE_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _skipped(fname: str) -> bool:
+    if fname.startswith(_SKIP_DIRS) or fname in _SKIP_FILES or fname.startswith("<frozen"):
+        return True
+    # the standard library, but not third-party code installed under it
+    return fname.startswith(os.path.join(_STDLIB_DIR, "")) \
+        and not any(m in fname for m in _SITE_MARKERS)
 
 
 def user_source_loc() -> SourceLoc | None:
@@ -82,7 +98,7 @@ def user_source_loc() -> SourceLoc | None:
     frame = sys._getframe(1)
     while frame is not None:
         fname = os.path.abspath(frame.f_code.co_filename)
-        if not fname.startswith(_SKIP_PREFIXES) and not fname.startswith("<frozen"):
+        if not _skipped(fname):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, code)
         frame = frame.f_back

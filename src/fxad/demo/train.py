@@ -35,7 +35,9 @@ class DemoConfig:
     """Sizes and hyper-parameters of the demo.
 
     The defaults train a 2-layer, 64-wide TinyGPT on 16 x 64-character batches; 300 steps of
-    both runs take well under a minute on two CPU cores.
+    both runs take well under a minute on one CPU core.  The demo uses one thread by default:
+    the models are small, and multi-threaded kernels stall badly whenever another process
+    competes for the cores.
     """
 
     steps: int = 300
@@ -54,18 +56,16 @@ class DemoConfig:
     sample_chars: int = 200     # characters sampled from the trained model (0: none)
     cnn: bool = True            # run the SmallCNN part
     show_code: bool = True      # print the backward code of transformer block 0
-    threads: int = 0            # torch CPU threads during the demo (0: torch's default)
+    threads: int = 1            # torch CPU threads during the demo (0: torch's default)
 
     @property
     def every(self) -> int:
         return self.log_every or max(1, self.steps // 10)
 
 
-#: A tiny configuration for smoke tests (``fxad demo --quick``): a few seconds.  One thread:
-#: at these sizes more threads only add synchronisation, which stalls badly when another
-#: process competes for the cores.
+#: A tiny configuration for smoke tests (``fxad demo --quick``): a few seconds.
 QUICK = DemoConfig(steps=20, batch_size=4, block_size=16, n_layer=1, n_head=2, n_embd=16,
-                   corpus_bytes=40_000, timing_reps=5, sample_chars=40, threads=1)
+                   corpus_bytes=40_000, timing_reps=5, sample_chars=40)
 
 
 @dataclass
@@ -101,44 +101,10 @@ class DemoResult:
         return self.time_autograd / self.time_fxad
 
 
-# ---------------------------------------------------------------------------------------------
-# provenance: the demo's models live inside the fxad package
-# ---------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def demo_source_locations() -> Iterator[None]:
-    """Let provenance comments point into ``fxad/demo/models.py``.
-
-    fxad attributes each recorded op to the innermost stack frame *outside* the fxad package
-    (``fxad.capture.proxy._SKIP_PREFIXES``); the demo models are inside it, so their lines
-    would be skipped.  This temporarily skips fxad's own subpackages except ``demo``.
-    Harmless if the internals differ: then nothing is changed.
-    """
-    try:
-        from fxad.capture import proxy
-        prefixes = proxy._SKIP_PREFIXES
-        fxad_dir = proxy._FXAD_DIR
-    except (ImportError, AttributeError):  # pragma: no cover
-        yield
-        return
-    demo_dir = os.path.dirname(os.path.abspath(__file__))
-    if fxad_dir not in prefixes or not demo_dir.startswith(fxad_dir):  # pragma: no cover
-        yield
-        return
-    inner = tuple(os.path.join(fxad_dir, n) for n in sorted(os.listdir(fxad_dir))
-                  if n != "demo")
-    proxy._SKIP_PREFIXES = tuple(p for p in prefixes if p != fxad_dir) + inner
-    try:
-        yield
-    finally:
-        proxy._SKIP_PREFIXES = prefixes
-
-
 def build_grad(model: torch.nn.Module, *example_inputs: Any) -> tuple[fx.GraphModule, float]:
     """``fxad.grad(model, *example_inputs)`` with demo provenance; returns (graph, seconds)."""
     t0 = time.perf_counter()
-    with demo_source_locations():
-        g = fxad.grad(model, *example_inputs)
+    g = fxad.grad(model, *example_inputs)
     return g, time.perf_counter() - t0
 
 
@@ -356,9 +322,8 @@ def cnn_demo(seed: int = 0, batch_size: int = 16, size: int = 16, check: bool = 
     if check:
         xc = torch.randn(check_batch, 3, check_size, check_size, generator=gen)
         yc = torch.randint(0, 10, (check_batch,), generator=gen)
-        with demo_source_locations():
-            out["check_train"] = fxad.check(copy.deepcopy(ref).train(), xc, yc)
-            out["check_eval"] = fxad.check(copy.deepcopy(ref).eval(), xc, yc)
+        out["check_train"] = fxad.check(copy.deepcopy(ref).train(), xc, yc)
+        out["check_eval"] = fxad.check(copy.deepcopy(ref).eval(), xc, yc)
     return out
 
 

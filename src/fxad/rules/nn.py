@@ -363,8 +363,8 @@ class Embedding:
         n = weight.shape[0]
         if padding_idx is not None and padding_idx < 0:
             padding_idx += n
-        out = F.embedding(input, weight) if padding_idx is None \
-            else F.embedding(input, weight, padding_idx)
+        # (the printed call keeps the user's flags; they do not change the value)
+        out = F.embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
         return out, (input, n, padding_idx, scale_grad_by_freq)
 
     def bwd(aux, d):
@@ -521,7 +521,7 @@ class CrossEntropy:
         a = a.unsqueeze(cdim)
         if w is None:
             target_mass = onehot if not eps else (1 - eps) * onehot + eps / C
-            return (p - onehot) * a, None, None
+            return (p - target_mass) * a, None, None
         wmass = wt.unsqueeze(cdim) * onehot
         if eps:
             wmass = (1 - eps) * wmass + (eps / C) * wb
@@ -716,7 +716,8 @@ class ScaledDotProductAttention:
         return out, t_out
 
     def samples(dtype):
-        q, k, v = randn(2, 3, 4, dtype=dtype), randn(2, 5, 4, dtype=dtype), randn(2, 5, 3, dtype=dtype)
+        q, k = randn(2, 3, 4, dtype=dtype), randn(2, 5, 4, dtype=dtype)
+        v = randn(2, 5, 3, dtype=dtype)
         yield (q, k, v), {}
         yield (randn(2, 2, 4, 3, dtype=dtype), randn(2, 2, 4, 3, dtype=dtype),
                randn(2, 2, 4, 3, dtype=dtype)), {"is_causal": True}
@@ -738,8 +739,9 @@ def _conv_padding(padding: Any, weight_shape: Any, dilation: Any) -> tuple[int, 
         for k, dl in zip(weight_shape[-2:], _pair(dilation, "dilation")):
             total = dl * (k - 1)
             if total % 2:
-                raise _error("torch.conv2d", f"padding='same' with kernel {tuple(weight_shape[-2:])} "
-                             f"and dilation {dilation} pads asymmetrically, which is not supported",
+                raise _error("torch.conv2d",
+                             f"padding='same' with kernel {tuple(weight_shape[-2:])} and dilation "
+                             f"{dilation} pads asymmetrically, which is not supported",
                              "use an odd kernel size (or even dilation), or pad explicitly "
                              "with F.pad and use padding=0")
             pads.append(total // 2)
@@ -789,7 +791,8 @@ class Conv2d:
         return out, t_out
 
     def samples(dtype):
-        x, w, b = randn(2, 3, 6, 5, dtype=dtype), randn(4, 3, 3, 3, dtype=dtype), randn(4, dtype=dtype)
+        x, w = randn(2, 3, 6, 5, dtype=dtype), randn(4, 3, 3, 3, dtype=dtype)
+        b = randn(4, dtype=dtype)
         yield (x, w, b), {}
         yield (x, w, b, 2, 1), {}
         yield (x, randn(4, 3, 2, 3, dtype=dtype)), {"stride": (2, 1), "padding": (1, 0),
@@ -878,6 +881,23 @@ def _sum_pool_adjoint(d: Any, shape: Any, kernel: tuple[int, int], stride: tuple
     return d_x.reshape(shape)
 
 
+def _avg_pool_options(stride: Any, padding: Any, ceil_mode: bool, count_include_pad: bool,
+                      divisor_override: Any) -> dict[str, Any]:
+    """Keyword arguments of ``F.avg_pool2d`` that differ from the defaults."""
+    kw: dict[str, Any] = {}
+    if stride is not None and not (isinstance(stride, (tuple, list)) and len(stride) == 0):
+        kw["stride"] = stride
+    if padding not in (0, (0, 0), [0, 0], (0,), [0]):
+        kw["padding"] = padding
+    if ceil_mode:
+        kw["ceil_mode"] = True
+    if not count_include_pad:
+        kw["count_include_pad"] = False
+    if divisor_override is not None:
+        kw["divisor_override"] = divisor_override
+    return kw
+
+
 @builtin(F.avg_pool2d)
 class AvgPool2d:
     """y = window sum / divisor: d_x = the adjoint of the window sum applied to d / divisor,
@@ -890,8 +910,8 @@ class AvgPool2d:
 
     def fwd(input, kernel_size, stride=None, padding=0, ceil_mode=False,
             count_include_pad=True, divisor_override=None):
-        out = F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                           divisor_override)
+        out = F.avg_pool2d(input, kernel_size, **_avg_pool_options(
+            stride, padding, ceil_mode, count_include_pad, divisor_override))
         return out, (input.shape, tuple(out.shape[-2:]), kernel_size, stride, padding, ceil_mode,
                      count_include_pad, divisor_override)
 
@@ -919,7 +939,8 @@ class AvgPool2d:
             d = d / (kernel[0] * kernel[1])
         else:  # divisor: in-bounds elements per window
             ones = d.new_ones((1,) * (len(shape) - 2) + (H, W))
-            counts = F.avg_pool2d(ones, kernel, stride, padding, ceil_mode, True, 1)
+            counts = F.avg_pool2d(ones, kernel, **_avg_pool_options(
+                stride, padding, ceil_mode, True, 1))
             d = d / counts
         return (_sum_pool_adjoint(d, shape, kernel, stride, padding),)
 
@@ -982,7 +1003,7 @@ class AdaptiveAvgPool2d:
 
 
 def _averaging_matrix(o: int, n: int, like: Any) -> Any:
-    """(o, n) matrix averaging the adaptive-pooling window i: [floor(i n / o), ceil((i+1) n / o))."""
+    """(o, n) matrix averaging adaptive-pooling window i: [floor(i n / o), ceil((i+1) n / o))."""
     i = torch.arange(o, device=like.device).unsqueeze(1)
     start = (i * n) // o
     end = ((i + 1) * n + o - 1) // o

@@ -10,8 +10,7 @@ import torch.fx as fx
 # ops whose result differs between two identical calls
 RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
               torch.randn_like, torch.randint_like, torch.bernoulli, torch.multinomial,
-              torch.normal, torch.nn.functional.dropout, torch.dropout, torch.empty,
-              torch.empty_like}
+              torch.normal, torch.empty, torch.empty_like}
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -32,8 +31,13 @@ def is_impure(node: fx.Node) -> bool:
 def is_random(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in RANDOM_OPS:
         return True
-    if node.op == "call_function" and node.target is torch.nn.functional.dropout:
-        return True
+    if node.op == "call_function" and node.target in (torch.nn.functional.dropout,
+                                                       torch.dropout):
+        # random only when it drops something: training and 0 < p
+        p = _kw(node, "p", 1, 0.5)
+        training = _kw(node, "training" if node.target is torch.nn.functional.dropout
+                       else "train", 2, True)
+        return bool(training) and p != 0
     return node.op == "call_method" and node.target in ("bernoulli", "uniform_", "normal_")
 
 
