@@ -14,12 +14,13 @@ from .check import CheckReport, check
 from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, jvp
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
                      InputError, MissingRuleError, RuleError, SourceLoc)
+from .rules.fused import fused_kernels
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
+    "fused_kernels", "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
     "all_rules", "unregister", "Rule", "CheckReport", "VJPModule", "ModeWarning", "FxadError",
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
     "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",

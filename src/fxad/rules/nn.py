@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from ..errors import RuleError
+from . import fused
 from ._base import builtin, randn, uniform
 
 # --- helpers --------------------------------------------------------------------------------
@@ -192,6 +193,11 @@ class FunctionalSoftmax:
         out, dim = aux
         return (_softmax_vjp(out, d, dim),)
 
+    def jvp(primals, tangents):
+        p, t = _bound(FunctionalSoftmax.fwd, primals, tangents)
+        out, (_, dim) = FunctionalSoftmax.fwd(p["input"], p["dim"], dtype=p["dtype"])
+        return out, _softmax_vjp(out, t["input"], dim)
+
 
 @builtin(F.log_softmax)
 class FunctionalLogSoftmax:
@@ -206,6 +212,11 @@ class FunctionalLogSoftmax:
     def bwd(aux, d):
         out, dim = aux
         return (_log_softmax_vjp(out, d, dim),)
+
+    def jvp(primals, tangents):
+        p, t = _bound(FunctionalLogSoftmax.fwd, primals, tangents)
+        out, (_, dim) = FunctionalLogSoftmax.fwd(p["input"], p["dim"], dtype=p["dtype"])
+        return out, t["input"] - (torch.exp(out) * t["input"]).sum(dim, keepdim=True)
 
 
 # --- normalization --------------------------------------------------------------------------
@@ -232,11 +243,21 @@ class LayerNorm:
     sums the leading dims) (derivatives.yaml `native_layer_norm`: layer_norm_backward)."""
 
     def fwd(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        out = F.layer_norm(input, normalized_shape, weight, bias, eps)
         dims = tuple(range(input.dim() - len(tuple(normalized_shape)), input.dim()))
+        if fused.enabled():
+            # save mean and rstd from the forward kernel for the fused backward kernel
+            out, mean, rstd = torch.native_layer_norm(input, list(normalized_shape), weight,
+                                                      bias, eps)
+            return out, ("fused", input, list(normalized_shape), mean, rstd, weight, bias)
+        out = F.layer_norm(input, normalized_shape, weight, bias, eps)
         return out, (input, weight, bias is not None, dims, eps)
 
     def bwd(aux, d):
+        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+            _, x, shape, mean, rstd, w, b = aux
+            d_x, d_w, d_b = torch.ops.aten.native_layer_norm_backward(
+                d, x, shape, mean, rstd, w, b, [True, w is not None, b is not None])
+            return d_x, None, d_w, d_b
         x, w, has_bias, dims, eps = aux
         xhat, rstd = _standardize(x, dims, eps)
         d_x = _normalize_vjp(_mul(d, w), xhat, rstd, dims)
@@ -426,6 +447,11 @@ class Dropout:
     def bwd(mask, d):
         return (_dropout_bwd(mask, d),)
 
+    def jvp(primals, tangents):
+        x, p, training = primals[:3]
+        out, mask = _dropout_fwd(x, p, training)
+        return out, _dropout_bwd(mask, tangents[0])
+
 
 @builtin(torch.dropout)
 class TorchDropout:
@@ -437,6 +463,10 @@ class TorchDropout:
 
     def bwd(mask, d):
         return (_dropout_bwd(mask, d),)
+
+    def jvp(primals, tangents):
+        out, mask = _dropout_fwd(*primals[:3])
+        return out, _dropout_bwd(mask, tangents[0])
 
 
 # --- losses ---------------------------------------------------------------------------------
@@ -644,6 +674,15 @@ def _sdpa_check(q: Any, k: Any, dropout_p: float, enable_gqa: bool) -> int:
     return 1
 
 
+def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
+    """The CPU flash-attention kernels apply: 4-D CPU float inputs of equal heads, no mask."""
+    return (mask is None and not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and all(t.device.type == "cpu" for t in (q, k, v))
+            and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and q.dtype == k.dtype == v.dtype and k.shape[-3] == q.shape[-3]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
 @builtin(F.scaled_dot_product_attention)
 class ScaledDotProductAttention:
     """y = P v with P = softmax(q k^T * scale + mask) (causal: upper triangle masked to -inf;
@@ -666,10 +705,20 @@ class ScaledDotProductAttention:
             kw["scale"] = scale
         if enable_gqa:
             kw["enable_gqa"] = True
+        if fused.enabled() and _cpu_flash_ok(query, key, value, attn_mask, enable_gqa):
+            # CPU flash attention: save its logsumexp for the fused backward kernel
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, bool(is_causal), scale=scale)
+            return out, ("fused", query, key, value, out, lse, bool(is_causal), scale)
         out = F.scaled_dot_product_attention(query, key, value, **kw)
         return out, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def bwd(aux, d):
+        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+            _, q, k, v, out, lse, is_causal, scale = aux
+            d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+            return d_q, d_k, d_v, None
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
         group = _sdpa_check(q, k, dropout_p, enable_gqa)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -820,6 +869,17 @@ def _max_pool2d_bwd(aux, d):
     return (flat.scatter_add(-1, idx.flatten(-2), d.flatten(-2)).reshape(shape),)
 
 
+def _max_pool2d_jvp(fwd, primals, tangents, both=False):
+    """t_y = t gathered at the argmax indices; a tuple value gets the tangent (t_y, None)."""
+    p, t = _bound(fwd, primals, tangents)
+    out, idx = F.max_pool2d_with_indices(p["input"], p["kernel_size"], p["stride"],
+                                         p["padding"], p["dilation"], p["ceil_mode"], True)
+    t_out = t["input"].flatten(-2).gather(-1, idx.flatten(-2)).reshape(out.shape)
+    if both or p["return_indices"]:
+        return (out, idx), (t_out, None)
+    return out, t_out
+
+
 def _max_pool2d_samples(dtype):
     x = randn(2, 3, 6, 7, dtype=dtype)
     yield (x, 2), {}
@@ -844,11 +904,7 @@ class MaxPool2d:
     bwd = staticmethod(_max_pool2d_bwd)
 
     def jvp(primals, tangents):
-        p, t = _bound(MaxPool2d.fwd, primals, tangents)
-        out, idx = F.max_pool2d_with_indices(p["input"], p["kernel_size"], p["stride"],
-                                             p["padding"], p["dilation"], p["ceil_mode"], True)
-        t_out = t["input"].flatten(-2).gather(-1, idx.flatten(-2)).reshape(out.shape)
-        return ((out, idx) if p["return_indices"] else out), t_out
+        return _max_pool2d_jvp(MaxPool2d.fwd, primals, tangents)
 
     samples = staticmethod(_max_pool2d_samples)
 
@@ -863,6 +919,9 @@ class MaxPool2dWithIndices:
         return _max_pool2d_fwd(input, kernel_size, stride, padding, dilation, ceil_mode, True)
 
     bwd = staticmethod(_max_pool2d_bwd)
+
+    def jvp(primals, tangents):
+        return _max_pool2d_jvp(MaxPool2dWithIndices.fwd, primals, tangents, both=True)
 
 
 def _sum_pool_adjoint(d: Any, shape: Any, kernel: tuple[int, int], stride: tuple[int, int],

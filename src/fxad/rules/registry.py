@@ -17,7 +17,17 @@ A rule for op ``f`` is a :class:`Rule` with
     have the *broadcast* shape of the value: the engine reduces them to each input's shape and
     dtype and accumulates fan-out, so rules never call ``sum_to_size`` themselves.
 ``jvp(primals, tangents) -> (value, tangent)`` (optional)
-    Forward-mode counterpart, kept beside the VJP.
+    Forward-mode counterpart, kept beside the VJP.  ``primals`` are the op's arguments bound
+    to ``fwd``'s signature as one positional tuple in parameter order, defaults filled in,
+    ``*args`` spread in place, keyword-only parameters after the positional ones, and a
+    ``**kwargs`` parameter as one dict in the last slot.  ``tangents`` is aligned with
+    ``primals``: a tensor proxy or ``None`` (zero) per tensor argument, a list for a list
+    argument, ``None`` for constants.  Return the value (normally by calling the op) and its
+    tangent (``None`` if zero; for tuple-valued ops a tuple with ``None`` for non-floating
+    entries); a tangent with the broadcast shape of an operand is expanded by the engine.
+    Without ``jvp``, forward mode transposes ``bwd`` (linear in ``d_out``) automatically
+    (see :mod:`fxad.ad.forward`), so registering ``fwd``/``bwd`` is enough for both modes;
+    a ``jvp`` gives shorter tangent code.
 ``samples(dtype) -> iterable of (args, kwargs)`` (optional)
     Example inputs used by the rule tests.
 
