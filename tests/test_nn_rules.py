@@ -316,6 +316,34 @@ def test_max_pool2d_ties_route_to_one_input():
     torch.testing.assert_close(d_x, ref)
 
 
+# --- plain formulas (fused backward kernels switched off) ------------------------------------
+
+def _nn_sample_cases():
+    from fxad.rules.registry import op_name
+    for op, rule in sorted(fxad.all_rules().items(), key=lambda kv: op_name(kv[0])):
+        if rule.samples is None or rule.fwd.__module__ != "fxad.rules.nn":
+            continue
+        torch.manual_seed(0)
+        for i, (args, kwargs) in enumerate(rule.samples(DT)):
+            yield pytest.param(op, args, kwargs, id=f"{op_name(op)}-{i}")
+
+
+@pytest.mark.parametrize("op,args,kwargs", list(_nn_sample_cases()))
+def test_plain_formulas_without_fused_kernels(op, args, kwargs):
+    """tests/test_rules.py checks the samples with the default (fused kernels allowed); this
+    checks the plain-torch formulas the rules write when they are switched off."""
+    slots = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+    def fn(*xs):
+        a = list(args)
+        for i, x in zip(slots, xs):
+            a[i] = x
+        return op(*a, **kwargs)
+
+    with fxad.fused_kernels(False):
+        fxad.check(fn, *[args[i] for i in slots])
+
+
 # --- forward mode ---------------------------------------------------------------------------
 
 def _jvp_cases():

@@ -11,7 +11,9 @@ Design
 * **Generated code all the way down.**  :func:`jvp` writes torch-level code like :func:`vjp`;
   compositions (``fxad.jvp(fxad.grad(f, x), x)``, ``fxad.vjp(fxad.grad(f, x), x)``) re-capture
   the generated module and differentiate it again, so second derivatives are plain code too.
-  :func:`hvp` is forward-over-reverse: the JVP of the generated gradient code.
+  :func:`hvp` is forward-over-reverse: the JVP of the generated gradient code (built with
+  ``fxad.fused_kernels(False)``, since fused backward kernels have no rules; do the same
+  when composing by hand: ``with fxad.fused_kernels(False): g = fxad.grad(f, x)``).
 * **Jacobians and Hessians** are computed by ``torch.func.vmap`` over the generated code,
   batched over basis vectors (one VJP per output element for :func:`jacrev`, one JVP per input
   element for :func:`jacfwd`, one HVP per input element for :func:`hessian`).  The returned
@@ -230,7 +232,10 @@ def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None =
         ``hvps[i] = Σ_j ∂²f/∂x_i∂x_j · tangents[j]``.
     """
     _function_only(f, "hvp")
-    g = grad(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules, simplify=simplify)
+    from .rules.fused import fused_kernels
+    with fused_kernels(False):  # the gradient code is differentiated again: no fused kernels
+        g = grad(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules,
+                 simplify=simplify)
     out = _build_jvp(g, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
                      argnums=argnums, select=lambda out: out[1], suffix="HVP",
                      name=getattr(f, "__name__", "f"))

@@ -311,8 +311,11 @@ class ForwardTransform:
         from .modules import ModuleRef
         from .reverse import build_vjp_graph
 
+        from ..rules.fused import fused_kernels
+
         desc = node_desc(self.gm, node)
-        value, aux = rule.fwd(*args, **kwargs)
+        with fused_kernels(False):  # fused backward kernels have no rules to transpose with
+            value, aux = rule.fwd(*args, **kwargs)
         val = node.meta.get("val")
         # which parameters carry a tangent, and their source nodes
         pairs: list[tuple[str, Any, fx.Node]] = []  # (param, tangent proxy, source node)
@@ -361,7 +364,7 @@ class ForwardTransform:
             return x
 
         aux2 = pytree.tree_map(lift, aux)
-        with _record_factories(em2):  # type: ignore[arg-type]
+        with _record_factories(em2), fused_kernels(False):  # type: ignore[arg-type]
             cts = rule.bwd(aux2, u)
         names = list(rule.params)
         if isinstance(cts, dict):

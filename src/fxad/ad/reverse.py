@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture.proxy import Emitter, TensorProxy, describe_target, fetch_attr
 from ..errors import RuleError
-from ..rules.registry import Rule, lookup, missing_rule
+from ..rules.registry import _NEEDED, Rule, lookup, missing_rule
 
 _STRUCT = (tuple, list, dict)
 
@@ -325,7 +325,15 @@ class ReverseTransform:
         assert rule is not None and bound is not None
         if isinstance(ct, list):
             ct = tuple(ct)
-        cts = rule.bwd(entry.aux, ct)
+        src_args = self._source_arguments(entry)
+        needed = {name: any(isinstance(a, fx.Node) and a in self.active
+                            for a in pytree.tree_leaves(v))
+                  for name, v in src_args.items()}
+        token = _NEEDED.set(needed)
+        try:
+            cts = rule.bwd(entry.aux, ct)
+        finally:
+            _NEEDED.reset(token)
         names = list(rule.params)
         if isinstance(cts, dict):
             by_name = cts
@@ -342,7 +350,6 @@ class ReverseTransform:
                     f"cotangents for {len(names)} parameters {names}")
             by_name = dict(zip(names, cts))
         # map bound proxies back to source-graph nodes
-        src_args = self._source_arguments(entry)
         for name, c in by_name.items():
             if c is None or name not in src_args:
                 continue

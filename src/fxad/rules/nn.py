@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import RuleError
 from . import fused
+from .registry import needs_cotangent
 from ._base import builtin, randn, uniform
 
 # --- helpers --------------------------------------------------------------------------------
@@ -285,6 +286,11 @@ class LayerNorm:
         yield (randn(6, dtype=dtype), [6], None, randn(6, dtype=dtype)), {}
 
 
+def _is_buffer(t: Any) -> bool:
+    """None or a module buffer read (``get_attr``): never differentiated."""
+    return t is None or (isinstance(t, fx.Proxy) and t.node.op == "get_attr")
+
+
 @builtin(F.batch_norm)
 class BatchNorm:
     """y = xhat * w + b per channel (dim 1).  Training: xhat uses the biased batch statistics
@@ -300,12 +306,25 @@ class BatchNorm:
 
     def fwd(input, running_mean, running_var, weight=None, bias=None, training=False,
             momentum=0.1, eps=1e-5):
+        if fused.enabled() and all(_is_buffer(s) for s in (running_mean, running_var)):
+            # saves the batch mean / inverse std for the fused backward kernel
+            # (docs/fused_kernels.md); updates running statistics in place like F.batch_norm
+            out, save_mean, save_invstd = torch.native_batch_norm(
+                input, weight, bias, running_mean, running_var, training, momentum, eps)
+            return out, ("fused", input, weight, bias is not None, running_mean, running_var,
+                         save_mean, save_invstd, training, eps)
         out = F.batch_norm(input, running_mean, running_var, weight=weight, bias=bias,
                            training=training, momentum=momentum, eps=eps)
         stats = None if training else (running_mean, running_var)
         return out, (input, stats, weight, bias is not None, eps)
 
     def bwd(aux, d):
+        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+            _, x, w, has_bias, rm, rv, save_mean, save_invstd, training, eps = aux
+            d_x, d_w, d_b = torch.ops.aten.native_batch_norm_backward(
+                d, x, w, rm, rv, save_mean, save_invstd, training, eps,
+                [True, w is not None, has_bias])
+            return d_x, None, None, d_w, d_b
         x, stats, w, has_bias, eps = aux
         dims = (0,) + tuple(range(2, x.dim()))
         wc = None if w is None else _per_channel(w, x)
@@ -817,6 +836,15 @@ class Conv2d:
         unbatched = x.dim() == 3
         if unbatched:
             x, d = x.unsqueeze(0), d.unsqueeze(0)
+        if fused.enabled() and not unbatched:
+            # one fused kernel for all needed cotangents (docs/fused_kernels.md)
+            mask = [needs_cotangent("input"), needs_cotangent("weight"),
+                    has_bias and needs_cotangent("bias")]
+            d_x, d_w, d_b = torch.ops.aten.convolution_backward(
+                d, x, w, [w.shape[0]] if has_bias else None, list(_pair(stride)), list(pad),
+                list(_pair(dilation)), False, [0, 0], groups, mask)
+            return (d_x if mask[0] else None), (d_w if mask[1] else None), \
+                (d_b if mask[2] else None)
         d_x = _emit(torch.nn.grad.conv2d_input, tuple(x.shape), w, d, stride, pad, dilation,
                     groups)
         d_w = _emit(torch.nn.grad.conv2d_weight, x, tuple(w.shape), d, stride, pad, dilation,

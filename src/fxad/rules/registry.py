@@ -40,6 +40,7 @@ calls), or an ``nn.Module`` subclass for user leaf modules.
 """
 from __future__ import annotations
 
+import contextvars
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -79,6 +80,19 @@ class Rule:
 
 
 _RULES: dict[Any, Rule] = {}
+
+# parameter name -> whether the engine will use its cotangent (set around each bwd call)
+_NEEDED: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar(
+    "fxad_needed", default=None)
+
+
+def needs_cotangent(param: str) -> bool:
+    """Inside a rule's ``bwd``: False when the engine will discard the cotangent of ``param``
+    (a constant or non-differentiable argument), so a rule calling a fused kernel can skip
+    that output.  True outside the engine or when unknown.  Returning a cotangent anyway is
+    always allowed (the simplifier removes unused code)."""
+    needed = _NEEDED.get()
+    return True if needed is None else needed.get(param, True)
 
 
 def op_name(op: Any) -> str:

@@ -25,6 +25,9 @@ def is_impure(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is torch.nn.functional.batch_norm \
             and _kw(node, "training", 5, False):
         return True  # updates running statistics in place
+    if node.op == "call_function" and node.target is torch.native_batch_norm \
+            and _kw(node, "training", 5, False) and _kw(node, "running_mean", 3, None) is not None:
+        return True
     return node.op == "call_module"
 
 
