@@ -58,6 +58,11 @@ class BodyTransformer:
     def __call__(self, body: list[str]) -> list[str]:
         nodes = list(self.graph.nodes)
         self._by_name = {n.name: n for n in nodes}
+        self._first_fwd: dict[str, str] = {}
+        for n in nodes:
+            of = n.meta.get("fxad_fwd_of")
+            if of is not None and "fxad_bwd_of" not in n.meta:
+                self._first_fwd.setdefault(of, n.name)
         # group body entries by node
         groups: list[tuple[int | None, list[str]]] = []
         cur: tuple[int | None, list[str]] = (None, [])
@@ -91,7 +96,11 @@ class BodyTransformer:
 
     def _header(self, block: tuple[str, str], node: fx.Node, stmt_of: dict[str, str]) -> str:
         kind, block = block  # type: ignore[assignment]
-        fwd = stmt_of.get(block, block)
+        # the statement that computed the forward value: the first node the rule's forward
+        # wrote (``native_layer_norm = torch.native_layer_norm(...)`` rather than the
+        # ``layer_norm = native_layer_norm[0]`` that picks the value out of its result)
+        first = self._first_fwd.get(block)
+        fwd = (stmt_of.get(first, "") if first else "") or stmt_of.get(block, block)
         text = f"# {kind} of: {fwd}" if fwd else f"# {kind} of {block}"
         loc = node.meta.get("fxad_jvp_src" if kind == "tangent" else "fxad_bwd_src")
         if loc is None:

@@ -471,6 +471,11 @@ class Dropout:
         out, mask = _dropout_fwd(x, p, training)
         return out, _dropout_bwd(mask, tangents[0])
 
+    def samples(dtype):
+        # deterministic configurations only (training dropout is tested in test_nn_rules.py)
+        yield (randn(3, 4, dtype=dtype), 0.0), {}
+        yield (randn(3, 4, dtype=dtype),), {"p": 0.4, "training": False}
+
 
 @builtin(torch.dropout)
 class TorchDropout:
@@ -486,6 +491,9 @@ class TorchDropout:
     def jvp(primals, tangents):
         out, mask = _dropout_fwd(*primals[:3])
         return out, _dropout_bwd(mask, tangents[0])
+
+    def samples(dtype):
+        yield (randn(3, 4, dtype=dtype), 0.3, False), {}
 
 
 # --- losses ---------------------------------------------------------------------------------

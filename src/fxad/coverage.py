@@ -1,0 +1,415 @@
+"""Operator-coverage sweep over PyTorch's OpInfo database.
+
+``python -m fxad.coverage [--out coverage_report.md] [--ops NAME ...] [--max-samples 3]``
+
+For every OpInfo entry of ``torch.testing._internal.common_methods_invocations.op_db`` with
+``supports_autograd``, the sweep takes the first few sample inputs (float64; the first one
+also in float32), builds a function of the sample's floating-point tensor leaves (those of
+``sample.input``, ``sample.args`` and ``sample.kwargs`` that autograd differentiates), calls
+:func:`fxad.vjp` on it with a random cotangent and compares the output and every input
+cotangent with ``torch.autograd.grad``.
+
+Each op is classified as
+
+``pass``      every usable sample matches, using hand-written rules only;
+``fallback``  every usable sample matches, but some op went through a fallback rule
+              (:mod:`fxad.rules.fallback`, when present) instead of a hand-written one;
+``missing``   fxad raised :class:`fxad.MissingRuleError` (its clear missing-rule error);
+``wrong``     numbers differ from autograd (output or a cotangent);
+``crash``     any other exception (capture error, rule error, timeout...);
+``skip``      no usable sample (autograd itself cannot differentiate the samples, the op is
+              random, or samples are too large for the sweep).
+
+The table (op, samples, status, reason) is written to ``--out`` (Markdown, or CSV when the
+name ends in ``.csv``) and the totals are printed.  Each op runs under a time limit
+(``SIGALRM``), so the sweep cannot hang on one op.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import itertools
+import math
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _pytree as pytree
+
+STATUSES = ("pass", "fallback", "missing", "wrong", "crash", "skip")
+
+# OpInfos whose samples are random (their outputs cannot be compared with a second run) or
+# otherwise untestable by comparing two evaluations.
+_RANDOM_OPS = {
+    "bernoulli", "multinomial", "normal", "uniform", "randn", "rand", "randint", "randn_like",
+    "rand_like", "randint_like", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
+    "nn.functional.rrelu", "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d", "cauchy", "exponential", "geometric", "log_normal",
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
+    "nn.functional.gumbel_softmax",
+}
+
+
+class _Timeout(Exception):
+    pass
+
+
+@dataclass
+class OpResult:
+    """Outcome of one OpInfo entry."""
+
+    op: str
+    samples: int = 0            # samples compared (float64 + float32)
+    status: str = "skip"
+    reason: str = ""
+    fallback_ops: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+@dataclass
+class _SampleOutcome:
+    status: str                 # pass / missing / wrong / crash / skip
+    reason: str = ""
+    fallback_ops: set[str] = field(default_factory=set)
+
+
+def load_op_db() -> list[Any]:
+    """The OpInfo entries that support autograd (needs ``expecttest`` installed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.testing._internal.common_methods_invocations import op_db
+    return [op for op in op_db if op.supports_autograd]
+
+
+def op_label(op: Any) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def _is_diff(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _numel(tree: Any) -> int:
+    return sum(v.numel() for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor))
+
+
+def _tol(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing fxad with autograd; both are exact formulas evaluated in
+    a different order, so the bound is loose only for float32."""
+    if dtype in (torch.float64, torch.complex128):
+        return 1e-6, 1e-8
+    return 2e-3, 1e-4
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float]:
+    """(close, max error) between fxad's ``a`` and reference ``b``, NaNs/infs matching."""
+    if a.shape != b.shape:
+        return False, math.inf
+    a = a.detach().to(torch.complex128 if a.is_complex() or b.is_complex() else torch.float64)
+    b = b.detach().to(a.dtype)
+    if a.numel() == 0:
+        return True, 0.0
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False, math.nan
+    inf_a, inf_b = torch.isinf(a), torch.isinf(b)
+    if not torch.equal(inf_a, inf_b) or not torch.equal(a[inf_a], b[inf_b]):
+        return False, math.inf
+    ok = ~(nan_a | inf_a)
+    a, b = a[ok], b[ok]
+    if a.numel() == 0:
+        return True, 0.0
+    rtol, atol = _tol(dtype)
+    err = (a - b).abs()
+    scale = b.abs().max().item()
+    bound = atol + rtol * max(1.0, scale)
+    m = err.max().item()
+    return m <= bound, m
+
+
+def _fallback_ops(g: Any) -> set[str]:
+    """Names of ops in ``g``'s forward graph whose rule is a fallback (not hand-written)."""
+    try:
+        from .rules import fallback
+    except ImportError:
+        return set()
+    from .ad.reverse import rule_key
+    fwd = g.meta.get("fxad_forward")
+    if fwd is None:
+        return set()
+    out = set()
+    for n in fwd.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            key = rule_key(fwd, n)
+            if fallback.is_fallback(key):
+                from .rules.registry import op_name
+                out.add(op_name(key))
+    return out
+
+
+def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleOutcome:
+    import fxad
+
+    leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
+    slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
+    if not slots:
+        return _SampleOutcome("skip", "no floating tensor input")
+    n_input = len(pytree.tree_leaves(sample.input))
+    fn_op = op.op
+
+    def make_fn(active: list[int]) -> Callable:
+        def fn(*xs: Any) -> Any:
+            vals = list(leaves)
+            for i, x in zip(active, xs):
+                vals[i] = x
+            inp, args, kwargs = pytree.tree_unflatten(vals, spec)
+            return fn_op(inp, *args, **kwargs)
+        fn.__name__ = op.name.replace(".", "_")
+        return fn
+
+    # reference: autograd; inputs autograd cannot differentiate are made constants
+    ref = None
+    for active in (slots, [i for i in slots if i < n_input]):
+        if not active:
+            continue
+        xs = [leaves[i].detach().clone().requires_grad_(True) for i in active]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = make_fn(active)(*xs)
+                outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
+                gen = torch.Generator().manual_seed(seed)
+                cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+                used = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
+                grads = torch.autograd.grad([o for o, _ in used], xs, [c for _, c in used],
+                                            allow_unused=True) if used else [None] * len(xs)
+        except Exception as e:  # noqa: BLE001  autograd itself cannot do it
+            ref_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        ref = (active, out, cots, grads)
+        break
+    if ref is None:
+        return _SampleOutcome("skip", f"autograd fails: {ref_err}"[:200])
+    active, out, cots, grads = ref
+    if not any(o.requires_grad for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)):
+        return _SampleOutcome("skip", "output does not depend on a differentiable input")
+
+    # fxad
+    fn = make_fn(active)
+    inputs = [leaves[i].detach().clone() for i in active]
+    if isinstance(out, torch.Tensor):
+        cot_arg: Any = cots[0] if cots else None
+    else:
+        it = iter(cots)
+        cot_arg = pytree.tree_map(lambda o: next(it) if _is_diff(o) else None, out)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = fxad.vjp(fn, *inputs)
+            res = g(*[x.clone() for x in inputs], cot_arg)
+    except fxad.MissingRuleError as e:
+        return _SampleOutcome("missing", f"no rule: {e.op or e.bare_message}")
+    except _Timeout:
+        raise
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).splitlines()[0] if str(e) else ""
+        return _SampleOutcome("crash", f"{type(e).__name__}: {msg}"[:200])
+    fb = _fallback_ops(g)
+    out_fx, in_grads = res[0], res[1]
+    ref_outs = pytree.tree_leaves(out)
+    fx_outs = pytree.tree_leaves(out_fx)
+    if len(ref_outs) != len(fx_outs):
+        return _SampleOutcome("wrong", "output structure differs", fb)
+    for k, (a, b) in enumerate(zip(fx_outs, ref_outs)):
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return _SampleOutcome("wrong", f"output {k} is not a tensor", fb)
+            ok, err = _max_err(a, b, dtype)
+            if not ok:
+                return _SampleOutcome("wrong", f"output {k} differs (max err {err:.3g})", fb)
+    for k, (a, b) in enumerate(zip(in_grads, grads)):
+        if b is None:
+            b = torch.zeros_like(inputs[k])
+        if a is None:
+            a = torch.zeros_like(inputs[k])
+        ok, err = _max_err(a, b, dtype)
+        if not ok:
+            return _SampleOutcome("wrong", f"cotangent of input {k} differs from autograd "
+                                  f"(max err {err:.3g}, {dtype})", fb)
+    return _SampleOutcome("pass", "", fb)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterable[None]:
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Timeout()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, timeout: float = 20.0,
+           max_numel: int = 20_000) -> OpResult:
+    """Run the sweep for one OpInfo entry."""
+    label = op_label(op)
+    res = OpResult(label)
+    t0 = time.perf_counter()
+    if op.name in _RANDOM_OPS:
+        res.reason = "random op: outputs cannot be compared"
+        return res
+    outcomes: list[_SampleOutcome] = []
+    try:
+        with _time_limit(timeout):
+            for dtype, count in ((torch.float64, max_samples), (torch.float32, f32_samples)):
+                if count <= 0 or dtype not in op.supported_dtypes("cpu"):
+                    continue
+                torch.manual_seed(0)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    samples = iter(op.sample_inputs("cpu", dtype, requires_grad=False))
+                taken = 0
+                for k, sample in enumerate(itertools.islice(samples, 4 * count)):
+                    if taken >= count:
+                        break
+                    if _numel((sample.input, sample.args, sample.kwargs)) > max_numel:
+                        outcomes.append(_SampleOutcome("skip", "sample too large"))
+                        continue
+                    o = _run_sample(op, sample, dtype, seed=k)
+                    outcomes.append(o)
+                    if o.status != "skip":
+                        taken += 1
+                    if o.status in ("missing", "crash", "wrong"):
+                        break
+                if outcomes and outcomes[-1].status in ("missing", "crash", "wrong"):
+                    break
+    except _Timeout:
+        outcomes.append(_SampleOutcome("crash", f"timeout after {timeout:g}s"))
+    except Exception as e:  # noqa: BLE001  sample generation itself failed
+        outcomes.append(_SampleOutcome("skip", f"sample inputs fail: {type(e).__name__}: {e}"[:200]))
+    res.seconds = time.perf_counter() - t0
+    res.samples = sum(o.status != "skip" for o in outcomes)
+    for st in ("wrong", "crash", "missing"):
+        bad = [o for o in outcomes if o.status == st]
+        if bad:
+            res.status, res.reason = st, bad[0].reason
+            return res
+    passed = [o for o in outcomes if o.status == "pass"]
+    if not passed:
+        res.status = "skip"
+        res.reason = outcomes[0].reason if outcomes else "no samples"
+        return res
+    for o in passed:
+        res.fallback_ops |= o.fallback_ops
+    if res.fallback_ops:
+        res.status = "fallback"
+        res.reason = "fallback for " + ", ".join(sorted(res.fallback_ops))
+    else:
+        res.status = "pass"
+    return res
+
+
+def sweep(names: Iterable[str] | None = None, *, max_samples: int = 3, f32_samples: int = 1,
+          timeout: float = 20.0, progress: Callable[[OpResult], None] | None = None,
+          ) -> list[OpResult]:
+    """Run the sweep over all autograd-supporting OpInfos (or those named in ``names``,
+    matched against ``name`` or ``name.variant``)."""
+    ops = load_op_db()
+    if names is not None:
+        wanted = set(names)
+        ops = [op for op in ops if op.name in wanted or op_label(op) in wanted]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for op in ops:
+            r = run_op(op, max_samples=max_samples, f32_samples=f32_samples, timeout=timeout)
+            results.append(r)
+            if progress is not None:
+                progress(r)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def totals(results: list[OpResult]) -> dict[str, int]:
+    t = {s: 0 for s in STATUSES}
+    for r in results:
+        t[r.status] += 1
+    t["total"] = len(results)
+    return t
+
+
+def summary_line(results: list[OpResult]) -> str:
+    t = totals(results)
+    n = t["total"]
+    pct = 100.0 * (t["pass"] + t["fallback"]) / n if n else 0.0
+    return (f"{t['pass']} pass / {t['fallback']} fallback / {t['missing']} missing / "
+            f"{t['wrong']} wrong / {t['crash']} crash / {t['skip']} skip, out of {n} "
+            f"autograd-supporting OpInfos ({pct:.1f}% covered)")
+
+
+def write_report(results: list[OpResult], path: str, seconds: float | None = None) -> None:
+    rows = [(r.op, r.samples, r.status, r.reason.replace("|", "\\|").replace("\n", " "))
+            for r in results]
+    if path.endswith(".csv"):
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(("op", "samples", "status", "reason"))
+            w.writerows(rows)
+        return
+    buf = io.StringIO()
+    buf.write("# fxad operator coverage on PyTorch's OpInfo database\n\n")
+    buf.write(f"torch {torch.__version__}; generated by `python -m fxad.coverage`.\n\n")
+    buf.write(f"**{summary_line(results)}**")
+    if seconds is not None:
+        buf.write(f" (sweep took {seconds:.0f} s)")
+    buf.write("\n\n| op | samples | status | reason |\n|---|---:|---|---|\n")
+    for row in rows:
+        buf.write("| {} | {} | {} | {} |\n".format(*row))
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fxad.coverage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="coverage_report.md",
+                   help="report file (.md or .csv); default ./coverage_report.md")
+    p.add_argument("--ops", nargs="*", help="only these OpInfo names")
+    p.add_argument("--max-samples", type=int, default=3, help="float64 samples per op")
+    p.add_argument("--f32-samples", type=int, default=1, help="float32 samples per op")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds per op")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every op")
+    a = p.parse_args(argv)
+
+    def progress(r: OpResult) -> None:
+        if a.verbose or r.status in ("wrong", "crash"):
+            print(f"{r.op:45s} {r.status:8s} {r.seconds:6.2f}s {r.reason}", flush=True)
+
+    t0 = time.perf_counter()
+    results = sweep(a.ops, max_samples=a.max_samples, f32_samples=a.f32_samples,
+                    timeout=a.timeout, progress=progress)
+    dt = time.perf_counter() - t0
+    write_report(results, a.out, dt)
+    print(summary_line(results))
+    print(f"report written to {a.out} ({dt:.0f} s)")
+    return 1 if totals(results)["wrong"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
