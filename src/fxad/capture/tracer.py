@@ -201,6 +201,18 @@ class CaptureTracer(fx.Tracer):
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
+    def path_of_module(self, mod: torch.nn.Module) -> str:
+        try:
+            return super().path_of_module(mod)
+        except NameError:
+            raise CaptureError(
+                f"the {type(mod).__name__} module called here is not a submodule of the traced "
+                "module (it was created inside the traced code or belongs to another object), "
+                "so its parameters cannot be addressed",
+                op=type(mod).__name__, loc=user_source_loc(),
+                hint="create it in __init__ and assign it to self (or call the matching "
+                     "torch.nn.functional function)") from None
+
     def getattr(self, attr, attr_val, parameter_proxy_cache):  # type: ignore[override]
         if in_meta_computation():
             return attr_val

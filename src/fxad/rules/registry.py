@@ -127,7 +127,8 @@ def add_rule(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
     """Register a rule.  Raises :class:`RuleError` on a duplicate (unless ``replace``)."""
     if op is None:
         raise RuleError("cannot register a rule for None")
-    if op in _RULES and not replace:
+    if op in _RULES and not replace and not _RULES[op].source.startswith("fallback:"):
+        # (a fallback rule, see fxad.rules.fallback, is replaced silently)
         raise RuleError(
             f"a derivative rule for {op_name(op)} is already registered; pass replace=True to "
             "override it deliberately")
@@ -212,6 +213,11 @@ def missing_rule(op_desc: str, loc: SourceLoc | None, *, module: bool = False) -
     )
     if module:
         hint += ", or stop marking this module as a leaf so fxad traces through it"
+    if any(k in op_desc for k in ("_backward", "native_layer_norm", "native_batch_norm",
+                                  "flash_attention")):
+        hint = ("this is a fused kernel written by a first-order rule; to differentiate fxad's "
+                "generated code again, build it with fused kernels off: "
+                "`with fxad.fused_kernels(False): g = fxad.grad(f, x)`")
     return MissingRuleError(f"no derivative rule for {op_desc}", op=op_desc, loc=loc, hint=hint)
 
 

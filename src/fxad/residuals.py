@@ -1,0 +1,572 @@
+"""Residual (saved-tensor) policies: split a VJP graph into a forward and a backward graph.
+
+:func:`partition` takes the graph of ``fxad.vjp(model, *inputs)`` (forward nodes, then the
+backward nodes tagged ``meta['fxad_bwd_of']``) and returns a :class:`Partition`:
+
+* ``fwd_gm(*inputs) -> (*outputs, *saved)``: the nodes the outputs need, the side effects
+  (batch-norm running statistics) and the residuals;
+* ``bwd_gm(*saved, *cotangents) -> (*input_grads, *param_grads)``: the backward nodes, plus
+  the forward nodes the policy chose to *recompute* (each one emitted just before its first
+  use, under the header of the backward block that needs it).
+
+The residuals are a named, printed thing: ``part.saved_names`` lists them; the generated
+code of ``fwd_gm`` carries ``# saved for backward: ...`` above its ``return`` and
+``bwd_gm``'s code lists them (with shapes and bytes) under its ``def`` line; every
+``# backward of: ...`` block header of ``bwd_gm`` ends with ``[saved N B: a, b]``, the
+saved tensors that block reads, so ``fxad.show(part.bwd_gm)`` reports saved bytes per block.
+:meth:`Partition.report` prints a table: per backward block, whether the residuals its rule
+reads are the op's *inputs*, its *output* or *other* forward values, and their bytes.
+
+Policies
+--------
+A node in the forward graph is available to the backward either by **saving** it (it is
+returned by ``fwd_gm``) or by **recomputing** it in ``bwd_gm`` from values that are
+themselves available.  ``policy`` chooses:
+
+``"save"``
+    recompute nothing: every forward value a backward node reads is saved (what the joint
+    ``fxad.grad`` code keeps alive).
+``"min_memory"`` (the default)
+    minimize the saved bytes (``meta['val']``: ``numel * itemsize``) subject to recomputing
+    only *cheap* ops: elementwise ops and views (:data:`CHEAP_OPS`).  Solved exactly as a
+    minimum s-t cut (the same formulation as AOTAutograd's rematerialization partitioner);
+    among minimum cuts the one that recomputes least is taken.
+:class:`Policy`
+    the default plus overrides: ``Policy(by_op={"gelu": "save", "matmul": "recompute"},
+    by_node={"relu_3": "recompute"}, recompute_cheap=True)``.  Keys of ``by_op`` are op kinds
+    as :func:`op_kind` spells them (``"relu"``, ``"add"``, ``"view"``, ``"linear"``) or the
+    callables themselves (``torch.relu``); ``by_node`` keys are node names of the VJP graph.
+    ``"recompute"`` makes any pure op recomputable (activation checkpointing of a
+    ``matmul``); ``"save"`` forbids recomputing it.  Random ops (dropout) and ops with side
+    effects are never recomputed; a ``"recompute"`` that cannot be honoured (an input
+    placeholder) raises :class:`fxad.InputError`.
+
+Op-kind defaults can also be registered globally with :func:`set_residual_policy`
+(``set_residual_policy(torch.nn.functional.gelu, "save")``): this is how a rule states
+whether its residual is recomputed or saved.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from . import codegen
+from .errors import InputError
+from .simplify._util import is_impure, is_random, resolve
+
+__all__ = ["Policy", "Partition", "partition", "op_kind", "set_residual_policy", "CHEAP_OPS",
+           "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes"]
+
+ELEMENTWISE_OPS = frozenset({
+    "add", "sub", "mul", "truediv", "div", "neg", "pow", "rsub", "floordiv", "mod",
+    "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
+    "relu", "gelu", "silu", "elu", "leaky_relu", "softplus", "hardtanh", "sign", "reciprocal",
+    "square", "erf", "clamp", "clamp_min", "clamp_max", "where", "maximum", "minimum",
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or",
+    "to", "float", "half", "bfloat16", "double", "type_as", "clone", "contiguous",
+    "masked_fill", "lerp", "addcmul", "addcdiv", "ones_like", "zeros_like", "full_like",
+})
+VIEW_OPS = frozenset({
+    "view", "reshape", "flatten", "unflatten", "transpose", "t", "permute", "unsqueeze",
+    "squeeze", "expand", "expand_as", "view_as", "reshape_as", "getitem", "split", "chunk",
+    "unbind", "narrow", "select", "movedim", "swapaxes", "unfold", "detach", "alias",
+})
+CHEAP_OPS = ELEMENTWISE_OPS | VIEW_OPS
+
+_GLOBAL_POLICY: dict[str, str] = {}
+_INF = 1 << 62
+
+
+def op_kind(node: fx.Node) -> str:
+    """The op kind used by policies: ``torch.relu`` → ``"relu"``, ``operator.mul`` →
+    ``"mul"``, ``x.view(...)`` → ``"view"``, ``torch.ops.aten.foo`` → ``"foo"``."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op == "call_function":
+        name = getattr(t, "__name__", None) or str(t)
+        if isinstance(t, torch._ops.OpOverloadPacket) or isinstance(t, torch._ops.OpOverload):
+            name = str(t).split(".")[-2] if isinstance(t, torch._ops.OpOverload) else t.__name__
+        return name.rsplit(".", 1)[-1]
+    return node.op
+
+
+def _key(k: Any) -> str:
+    if isinstance(k, str):
+        return k
+    name = getattr(k, "__name__", None)
+    if name is None:
+        raise InputError(f"policy key {k!r}: use an op name such as 'relu' or a torch callable")
+    return name
+
+
+def set_residual_policy(op: Any, choice: str | None) -> None:
+    """Register the default residual choice for an op kind: ``"save"`` or ``"recompute"``
+    (``None`` removes the entry).  :class:`Policy` overrides still take precedence."""
+    if choice is None:
+        _GLOBAL_POLICY.pop(_key(op), None)
+        return
+    if choice not in ("save", "recompute"):
+        raise InputError(f"residual policy must be 'save' or 'recompute', not {choice!r}")
+    _GLOBAL_POLICY[_key(op)] = choice
+
+
+@dataclass
+class Policy:
+    """A residual policy (see the module docstring).
+
+    Attributes:
+        recompute_cheap: let the min-cut recompute elementwise ops and views.
+        by_op: op kind (or callable) → ``"save"`` / ``"recompute"``.
+        by_node: node name → ``"save"`` / ``"recompute"`` (wins over ``by_op``).
+    """
+
+    recompute_cheap: bool = True
+    by_op: Mapping[Any, str] = field(default_factory=dict)
+    by_node: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for d in (self.by_op, self.by_node):
+            for k, v in d.items():
+                if v not in ("save", "recompute"):
+                    raise InputError(f"policy for {k!r} must be 'save' or 'recompute', not {v!r}")
+        self.by_op = {_key(k): v for k, v in self.by_op.items()}
+
+    def choice(self, node: fx.Node) -> str:
+        """``"save"``, ``"recompute"`` (forced) or ``"cheap"`` (recomputable when that saves
+        bytes) for a forward node."""
+        if node.name in self.by_node:
+            return self.by_node[node.name]
+        kind = op_kind(node)
+        if kind in self.by_op:
+            return self.by_op[kind]
+        if kind in _GLOBAL_POLICY:
+            return _GLOBAL_POLICY[kind]
+        if self.recompute_cheap and kind in CHEAP_OPS:
+            return "cheap"
+        return "save"
+
+
+def as_policy(policy: str | Policy | None) -> Policy:
+    if policy is None or policy in ("min_memory", "default"):
+        return Policy()
+    if policy == "save":
+        return Policy(recompute_cheap=False)
+    if isinstance(policy, Policy):
+        return policy
+    raise InputError(f"unknown residual policy {policy!r}: use 'save', 'min_memory' or a "
+                     "fxad.residuals.Policy")
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of a node's value from ``meta['val']`` (0 for non-tensor values)."""
+    return sum(int(v.numel()) * v.element_size()
+               for v in pytree.tree_leaves(node.meta.get("val"))
+               if isinstance(v, torch.Tensor))
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- min cut
+
+class _Flow:
+    """Dinic's max-flow on an adjacency-list graph with integer capacities."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.adj: list[list[int]] = [[] for _ in range(n)]
+        self.to: list[int] = []
+        self.cap: list[int] = []
+
+    def add(self, u: int, v: int, c: int) -> None:
+        self.adj[u].append(len(self.to)); self.to.append(v); self.cap.append(c)
+        self.adj[v].append(len(self.to)); self.to.append(u); self.cap.append(0)
+
+    def maxflow(self, s: int, t: int) -> int:
+        total = 0
+        while True:
+            level = [-1] * self.n
+            level[s] = 0
+            q = deque([s])
+            while q:
+                u = q.popleft()
+                for e in self.adj[u]:
+                    if self.cap[e] > 0 and level[self.to[e]] < 0:
+                        level[self.to[e]] = level[u] + 1
+                        q.append(self.to[e])
+            if level[t] < 0:
+                return total
+            it = [0] * self.n
+
+            def dfs(u: int, f: int) -> int:
+                if u == t:
+                    return f
+                while it[u] < len(self.adj[u]):
+                    e = self.adj[u][it[u]]
+                    v = self.to[e]
+                    if self.cap[e] > 0 and level[v] == level[u] + 1:
+                        d = dfs(v, min(f, self.cap[e]))
+                        if d:
+                            self.cap[e] -= d
+                            self.cap[e ^ 1] += d
+                            return d
+                    it[u] += 1
+                return 0
+
+            while True:
+                f = dfs(s, _INF)
+                if not f:
+                    break
+                total += f
+
+    def reaches_sink(self, t: int) -> list[bool]:
+        """Nodes that can reach ``t`` in the residual graph (the sink side of the min cut
+        closest to the sink)."""
+        seen = [False] * self.n
+        seen[t] = True
+        q = deque([t])
+        while q:
+            v = q.popleft()
+            for e in self.adj[v]:  # reverse edge e^1 goes u -> v with residual cap[e^1]
+                u = self.to[e]
+                if not seen[u] and self.cap[e ^ 1] > 0:
+                    seen[u] = True
+                    q.append(u)
+        return seen
+
+
+# --------------------------------------------------------------------------- partition
+
+class _CommentCodeGen(fx.graph.CodeGen):
+    """Default codegen plus a comment under the ``def`` line and one above ``return``."""
+
+    def __init__(self, head: str = "", tail: str = "") -> None:
+        super().__init__()
+        self.head, self.tail = head, tail
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str,
+                   **kw: Any) -> str:
+        text = super().gen_fn_def(free_vars, maybe_return_annotation, **kw)
+        if self.head:
+            text += "".join(f"\n    {ln}" for ln in self.head.splitlines())
+        return text
+
+    def generate_output(self, output_args: Any, **kw: Any) -> str:
+        text = super().generate_output(output_args, **kw)
+        return f"{self.tail}\n{text}" if self.tail else text
+
+
+@dataclass
+class Partition:
+    """Result of :func:`partition` (see the module docstring).
+
+    Attributes:
+        fwd_gm: ``fwd_gm(*inputs) -> (*outputs, *saved)``.
+        bwd_gm: ``bwd_gm(*saved, *cotangents) -> (*input_grads, *param_grads)``.
+        saved_names: names of the saved tensors, in ``fwd_gm``'s output order.
+        saved_bytes: total bytes of the saved values (from ``meta['val']``).
+        recomputed: names of the forward nodes recomputed in ``bwd_gm``.
+        n_outputs: number of output leaves; ``out_spec`` their pytree structure.
+        float_outputs: per output leaf, whether it takes a cotangent.
+        input_grads: per input, whether ``bwd_gm`` returns a gradient (else ``None``).
+        param_names: parameter names, in the order of ``bwd_gm``'s parameter gradients;
+            ``param_has_grad``: False where the gradient is identically zero (unused
+            parameter: autograd leaves its ``.grad`` at ``None``).
+        blocks: per backward block ``(forward statement, saved names, bytes, kind)``.
+    """
+
+    fwd_gm: fx.GraphModule
+    bwd_gm: fx.GraphModule
+    saved_names: list[str]
+    saved_bytes: int
+    recomputed: list[str]
+    n_outputs: int
+    out_spec: Any
+    float_outputs: list[bool]
+    input_grads: list[bool]
+    param_names: list[str]
+    param_has_grad: list[bool]
+    blocks: list[tuple[str, list[str], int, str]]
+
+    def report(self) -> str:
+        """Table of saved bytes per backward block, and the totals."""
+        lines = [f"saved for backward: {len(self.saved_names)} values, "
+                 f"{_fmt_bytes(self.saved_bytes)}; recomputed in backward: "
+                 f"{len(self.recomputed)} nodes"]
+        for stmt, names, b, kind in self.blocks:
+            lines.append(f"  {_fmt_bytes(b):>10}  saves {kind:<13} {', '.join(names) or '-':<40}"
+                         f"  <- {stmt}")
+        return "\n".join(lines) + "\n"
+
+
+def _statements(gm: fx.GraphModule) -> dict[str, str]:
+    """Node name → its statement in the generated code of ``gm``."""
+    found: dict[str, str] = {}
+
+    class Grab(codegen.BodyTransformer):
+        def _header(self, block: Any, node: fx.Node, stmt_of: dict[str, str]) -> str:
+            found.update(stmt_of)
+            return super()._header(block, node, stmt_of)
+
+    graph = gm.graph
+    old = graph._codegen._body_transformer
+    try:
+        t = Grab(graph)
+        graph._codegen._body_transformer = t
+        graph.python_code("self")
+    finally:
+        graph._codegen._body_transformer = old
+    return found
+
+
+def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory") -> Partition:
+    """Split the graph of ``fxad.vjp(model_or_fn, *inputs)`` into forward and backward graphs
+    with the residual policy ``policy`` (see the module docstring)."""
+    pol = as_policy(policy)
+    graph = vjp_gm.graph
+    nodes = list(graph.nodes)
+    out_node = nodes[-1]
+    assert out_node.op == "output"
+    result = out_node.args[0]
+    outputs, in_grads = result[0], result[1]
+    param_grads: dict[str, Any] = dict(result[2]) if len(result) > 2 else {}
+    out_leaves, out_spec = pytree.tree_flatten(outputs)
+    if not all(isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+               for x in out_leaves):
+        raise InputError("fxad.compile supports functions whose output is a tensor or a "
+                         "tuple/list/dict of tensors")
+    inputs = [n for n in nodes if n.op == "placeholder" and not n.meta.get("fxad_cotangent")
+              and n.meta.get("val") is not None]
+    cots = [n for n in nodes if n.op == "placeholder" and n.meta.get("fxad_cotangent")]
+    extra_phs = [n for n in nodes if n.op == "placeholder" and n not in inputs and n not in cots]
+    float_outputs = [x.meta["val"].is_floating_point() or x.meta["val"].is_complex()
+                     for x in out_leaves]
+    if sum(float_outputs) != len(cots):
+        raise InputError("internal: cotangents do not match the floating outputs")
+
+    # --- classify: backward = tagged or depends on a cotangent; forward = the rest
+    depends_cot: set[fx.Node] = set(cots) | set(extra_phs)
+    for n in nodes:
+        if n.op != "placeholder" and any(a in depends_cot for a in n.all_input_nodes):
+            depends_cot.add(n)
+    need_fwd: set[fx.Node] = set()
+    stack = list(out_leaves) + [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
+                                and is_impure(n) and not n.meta.get("fxad_bwd_of")
+                                and n not in depends_cot]
+    while stack:
+        n = stack.pop()
+        if n in need_fwd or n.op in ("placeholder", "get_attr"):
+            continue
+        need_fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    if need_fwd & depends_cot:
+        raise InputError("internal: a forward output depends on a cotangent")
+    bwd: list[fx.Node] = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")
+                          and n not in need_fwd
+                          and (n in depends_cot or n.meta.get("fxad_bwd_of") is not None)]
+    bwd_set = set(bwd)
+    fwd: list[fx.Node] = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")
+                          and n not in bwd_set]
+    avail = inputs + fwd  # candidates for saving / recomputing
+    idx = {n: i for i, n in enumerate(avail)}
+
+    # values read by the backward (directly, or by the graph outputs as gradients)
+    grad_nodes = [g for g in list(in_grads) + list(param_grads.values()) if isinstance(g, fx.Node)]
+    needed_b: set[fx.Node] = set()
+    for n in bwd:
+        needed_b.update(a for a in n.all_input_nodes if a in idx)
+    needed_b.update(g for g in grad_nodes if g in idx)
+
+    # --- min cut: node v -> (in = 2i, out = 2i+1); source S, sink T
+    N = len(avail)
+    S, T = 2 * N, 2 * N + 1
+    flow = _Flow(2 * N + 2)
+    choice: dict[fx.Node, str] = {}
+    for v in avail:
+        i = idx[v]
+        if v.op == "placeholder" or is_impure(v) or is_random(v):
+            c = "save"
+            if v.name in pol.by_node and pol.by_node[v.name] == "recompute":
+                raise InputError(f"cannot recompute `{v.name}`: it is an input, has a side "
+                                 "effect or is random")
+        else:
+            c = pol.choice(v)
+        choice[v] = c
+        flow.add(2 * i, 2 * i + 1, _INF if c == "recompute" else nbytes(v))
+        if c == "save":
+            flow.add(S, 2 * i, _INF)
+        for a in v.all_input_nodes:
+            if a in idx:
+                flow.add(2 * idx[a] + 1, 2 * i, _INF)
+        if v in needed_b:
+            flow.add(2 * i + 1, T, _INF)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4 * N + 1000))
+    try:
+        cut = flow.maxflow(S, T)
+    finally:
+        sys.setrecursionlimit(limit)
+    if cut >= _INF:
+        raise InputError("the residual policy forces recomputation of a value that cannot be "
+                         "recomputed (it depends on an input, a side effect or a random op "
+                         "through a node marked 'recompute')")
+    sink_side = flow.reaches_sink(T)
+    saved = [v for v in avail if not sink_side[2 * idx[v]] and sink_side[2 * idx[v] + 1]]
+    recompute = {v for v in avail if sink_side[2 * idx[v]] and sink_side[2 * idx[v] + 1]}
+    saved_set = set(saved)
+
+    # --- forward graph
+    stmts = _statements(vjp_gm)
+    keep: set[fx.Node] = set()
+    stack = list(out_leaves) + saved + [n for n in fwd if is_impure(n)]
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        stack.extend(n.all_input_nodes)
+    fg = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n in inputs or (n in keep and n.op != "placeholder"):
+            env[n] = fg.node_copy(n, lambda a: env[a])
+    fg.output(tuple(env[x] for x in out_leaves) + tuple(env[s] for s in saved))
+    saved_total = sum(nbytes(s) for s in saved)
+    desc = [f"{s.name} {codegen.shape_note(s)} ({_fmt_bytes(nbytes(s))})" for s in saved]
+    fg._codegen = _CommentCodeGen(
+        tail=f"# saved for backward ({len(saved)} values, {_fmt_bytes(saved_total)}): "
+             + ", ".join(s.name for s in saved))
+    codegen.install(fg)
+
+    # --- backward graph: saved placeholders, cotangents, then backward nodes with the
+    # recomputed forward nodes emitted lazily before their first use
+    bg = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        benv[s] = bg.placeholder(s.name)
+        benv[s].meta.update(s.meta)
+    for c in cots:
+        benv[c] = bg.node_copy(c, lambda a: benv[a])
+    for ph in extra_phs:  # `no_cotangent_k` placeholders of pytree outputs: constant None
+        benv[ph] = None  # type: ignore[assignment]
+
+    def block_label(n: fx.Node) -> str:
+        of = n.meta.get("fxad_bwd_of")
+        if of is None:
+            return "(recomputed)"
+        return of
+
+    block_reads: dict[str, list[fx.Node]] = {}
+
+    def reads_saved(n: fx.Node, label: str) -> None:
+        for a in n.all_input_nodes:
+            if a in saved_set:
+                lst = block_reads.setdefault(label, [])
+                if a not in lst:
+                    lst.append(a)
+
+    def materialize(a: fx.Node, label: str) -> None:
+        if a in benv:
+            return
+        if a.op == "get_attr":
+            benv[a] = bg.node_copy(a)
+            return
+        if a not in recompute:
+            raise InputError(f"internal: `{a.name}` is neither saved nor recomputed")
+        for x in a.all_input_nodes:
+            materialize(x, label)
+        reads_saved(a, label)
+        new = bg.node_copy(a, lambda x: benv[x])
+        new.meta = dict(a.meta)
+        new.meta["fxad_bwd_of"] = label
+        new.meta["fxad_recomputed"] = True
+        benv[a] = new
+
+    order = {n: i for i, n in enumerate(nodes)}
+    for n in bwd:
+        label = block_label(n)
+        for a in sorted(n.all_input_nodes, key=order.__getitem__):
+            materialize(a, label)
+        reads_saved(n, label)
+        benv[n] = bg.node_copy(n, lambda x: benv[x])
+    outs: list[Any] = []
+    input_grads: list[bool] = []
+    for g in in_grads:
+        if isinstance(g, fx.Node):
+            materialize(g, "(gradient)")
+            outs.append(benv[g])
+            input_grads.append(True)
+        else:
+            outs.append(None)
+            input_grads.append(False)
+    param_names = list(param_grads)
+    has_grad: list[bool] = []
+    for name in param_names:
+        g = param_grads[name]
+        live = isinstance(g, fx.Node) and g in depends_cot
+        has_grad.append(live)
+        if live:
+            outs.append(benv[g])
+        else:
+            outs.append(None)
+    bg.output(tuple(outs))
+
+    # block headers: "<forward statement>  [saved N B: a, b]"
+    blocks: list[tuple[str, list[str], int, str]] = []
+    fwd_by_name = {n.name: n for n in nodes}
+    relabel: dict[str, str] = {}
+    for label, reads in block_reads.items():
+        fname = resolve(graph, label)
+        stmt = stmts.get(fname, fname)
+        b = sum(nbytes(r) for r in reads)
+        fnode = fwd_by_name.get(fname)
+        kinds = set()
+        for r in reads:
+            if fnode is None:
+                kinds.add("other")
+            elif r is fnode or (r.op == "call_function" and r.target is operator.getitem
+                                and r.args[0] is fnode):
+                kinds.add("output")
+            elif r in fnode.all_input_nodes:
+                kinds.add("input")
+            else:
+                kinds.add("other")
+        kind = "+".join(k for k in ("input", "output", "other") if k in kinds)
+        names = [r.name for r in reads]
+        blocks.append((stmt, names, b, kind))
+        relabel[label] = f"{stmt}  [saved {_fmt_bytes(b)}: {', '.join(names)}]"
+    for n in bg.nodes:
+        of = n.meta.get("fxad_bwd_of")
+        if of is not None:
+            n.meta = dict(n.meta)
+            n.meta["fxad_bwd_of"] = relabel.get(of, stmts.get(resolve(graph, of), of))
+    head = [f"# saved tensors ({len(saved)} values, {_fmt_bytes(saved_total)}):"]
+    head += [f"#   {d}" for d in desc]
+    if recompute:
+        head.append("# recomputed here: " + ", ".join(n.name for n in avail if n in recompute))
+    bg._codegen = _CommentCodeGen(head="\n".join(head))
+    codegen.install(bg)
+    root = vjp_gm.meta.get("fxad_source_module") or vjp_gm
+    fwd_gm = fx.GraphModule(root, fg, class_name="ForwardGraph")
+    bwd_gm = fx.GraphModule(root, bg, class_name="BackwardGraph")
+    fwd_gm.saved_names = [s.name for s in saved]  # type: ignore[assignment]
+    bwd_gm.saved_names = fwd_gm.saved_names  # type: ignore[assignment]
+    return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved_names=[s.name for s in saved],
+                     saved_bytes=saved_total,
+                     recomputed=[n.name for n in avail if n in recompute],
+                     n_outputs=len(out_leaves), out_spec=out_spec,
+                     float_outputs=float_outputs, input_grads=input_grads,
+                     param_names=param_names, param_has_grad=has_grad, blocks=blocks)

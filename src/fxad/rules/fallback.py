@@ -1,0 +1,243 @@
+"""Fallback rules: differentiate an op that has no hand-written rule through ``torch.autograd``.
+
+So that users are not blocked by a missing rule, every public differentiable torch function
+(``torch.*``, ``torch.nn.functional.*``, ``torch.linalg.*``, ``torch.special.*``,
+``torch.fft.*``) without a hand-written rule gets a *fallback* rule.  Its forward is the op
+itself; its backward is one call of :func:`autograd_vjp`, which re-runs the op on its saved
+inputs and asks ``torch.autograd.grad`` for the vector-Jacobian product.  The generated code
+stays standalone and readable::
+
+    tan = torch.tan(x)
+    # backward of: tan = torch.tan(x)
+    fxad_autograd_vjp = fxad_autograd_vjp(torch.tan, (x,), {}, d_tan)
+    d_x = fxad_autograd_vjp[0]
+
+(forward mode: :func:`autograd_jvp`, through ``torch.func.jvp``).  The backward recomputes
+the op, so fallback code is slower than a hand-written rule and not source-to-source below
+the op; ``python -m fxad.coverage`` reports fallback-covered ops separately.
+
+A hand-written rule always wins: fallbacks are only registered for ops that have none when
+this module is imported, and :func:`fxad.register_vjp` replaces a fallback without
+``replace=True``.  Set ``FXAD_NO_FALLBACK=1`` in the environment before importing fxad to
+get :class:`fxad.MissingRuleError` instead.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from .registry import _RULES, add_rule
+
+FALLBACK_SOURCE = ("fallback: the VJP is computed by torch.autograd on the op (recomputes the "
+                   "forward); no hand-written rule")
+
+_FALLBACK_OPS: set[Any] = set()
+_BY_NAME: dict[str, Any] = {}
+
+
+def is_fallback(op: Any) -> bool:
+    """True when ``op``'s registered rule is a fallback rule, not a hand-written one."""
+    try:
+        rule = _RULES.get(op)
+    except TypeError:
+        return False
+    return rule is not None and rule.source == FALLBACK_SOURCE
+
+
+def _is_diff(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _proxy_in(*trees: Any) -> torch.fx.Proxy | None:
+    for leaf in pytree.tree_leaves(trees):
+        if isinstance(leaf, torch.fx.Proxy):
+            return leaf
+    return None
+
+
+def _resolve(op: Any) -> Any:
+    return _BY_NAME[op] if isinstance(op, str) else op
+
+
+def autograd_vjp(op: Any, args: tuple, kwargs: dict, d_out: Any) -> tuple:
+    """VJP of ``op(*args, **kwargs)`` with cotangent ``d_out``, by ``torch.autograd.grad``.
+
+    ``op`` is the op or its registered name (``"torch.tan"``; graph code spells it so).
+
+    Returns one entry per floating tensor leaf of ``(args, kwargs)`` (pytree order): its
+    cotangent (zeros where the output does not depend on it).
+    """
+    p = _proxy_in(args, kwargs, d_out)
+    if p is not None:  # called by a rule while writing graph code
+        return p.tracer.create_proxy("call_function", autograd_vjp, (op, args, kwargs, d_out), {})
+    op = _resolve(op)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
+    with torch.enable_grad():
+        xs = [leaves[i].detach().requires_grad_(True) for i in slots]
+        vals = list(leaves)
+        for i, x in zip(slots, xs):
+            vals[i] = x
+        a, kw = pytree.tree_unflatten(vals, spec)
+        out = op(*a, **kw)
+        outs = pytree.tree_leaves(out)
+        cots = pytree.tree_leaves(d_out, is_leaf=lambda x: x is None) \
+            if not isinstance(d_out, torch.Tensor) else [d_out]
+        pairs = [(o, c) for o, c in zip(outs, cots)
+                 if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], xs, [c for _, c in pairs],
+                                    allow_unused=True) if pairs else [None] * len(xs)
+    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))
+
+
+def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
+    """``(value, tangent)`` of ``op(*args, **kwargs)`` along ``tangents`` (one per floating
+    tensor leaf of ``(args, kwargs)``, ``None`` for zero), by ``torch.func.jvp``."""
+    p = _proxy_in(args, kwargs, tangents)
+    if p is not None:
+        return p.tracer.create_proxy("call_function", autograd_jvp, (op, args, kwargs, tangents), {})
+    op = _resolve(op)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
+    prim = tuple(leaves[i] for i in slots)
+    from ..capture.proxy import in_meta_computation
+    if in_meta_computation():  # shapes only (torch.func cannot load its tables in fake mode)
+        a, kw = pytree.tree_unflatten(leaves, spec)
+        out = op(*a, **kw)
+        return out, pytree.tree_map(lambda o: o.clone() if _is_diff(o) else None, out)
+    tans = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(prim, tangents))
+
+    def f(*xs: Any) -> Any:
+        vals = list(leaves)
+        for i, x in zip(slots, xs):
+            vals[i] = x
+        a, kw = pytree.tree_unflatten(vals, spec)
+        return op(*a, **kw)
+
+    return torch.func.jvp(f, prim, tans)
+
+
+def _make_rule(op: Any) -> None:
+    from .registry import op_name
+
+    name = op_name(op)
+    _BY_NAME[name] = op
+    def fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return op(*args, **kwargs), (args, kwargs)
+
+    def bwd(aux: Any, d_out: Any) -> dict:
+        args, kwargs = aux
+        grads = autograd_vjp(name, args, kwargs, d_out)
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        out, k = [], 0
+        for v in leaves:
+            if _is_diff(v) or (isinstance(v, torch.fx.Proxy) and _is_diff(v.node.meta.get("val"))):
+                out.append(grads[k])
+                k += 1
+            else:
+                out.append(None)
+        d_args, d_kwargs = pytree.tree_unflatten(out, spec)
+        return {"args": tuple(d_args), "kwargs": d_kwargs}
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        args, kwargs = tuple(primals[:-1]), dict(primals[-1] or {})
+        tans: list[Any] = []
+
+        def walk(p: Any, t: Any) -> None:  # tangents of the floating leaves, pytree order
+            if isinstance(p, (list, tuple)):
+                for i, pi in enumerate(p):
+                    walk(pi, t[i] if isinstance(t, (list, tuple)) and i < len(t) else None)
+            elif isinstance(p, dict):
+                for k, pi in p.items():
+                    walk(pi, t.get(k) if isinstance(t, dict) else None)
+            elif _is_float_leaf(p):
+                tans.append(t if isinstance(t, torch.fx.Proxy) else None)
+
+        walk((args, kwargs), (tuple(tangents[:-1]), tangents[-1]))
+        res = autograd_jvp(name, args, kwargs, tuple(tans))
+        return res[0], res[1]
+
+    add_rule(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
+    _FALLBACK_OPS.add(op)
+
+
+def _is_float_leaf(v: Any) -> bool:
+    return _is_diff(v) or (isinstance(v, torch.fx.Proxy) and _is_diff(v.node.meta.get("val")))
+
+
+# namespaces whose public functions get a fallback; in-place (``x_``), random and
+# constructor functions never reach differentiation with a floating input, so they are left out
+_SKIP = {
+    "bernoulli", "multinomial", "normal", "poisson", "rand", "rand_like", "randint",
+    "randint_like", "randn", "randn_like", "randperm", "dropout", "alpha_dropout",
+    "feature_alpha_dropout", "feature_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu",
+    "fractional_max_pool2d", "fractional_max_pool3d", "gumbel_softmax", "empty", "empty_like",
+    "empty_strided", "zeros", "ones", "full", "arange", "linspace", "logspace", "eye",
+    "tensor", "as_tensor", "from_numpy", "set_grad_enabled", "no_grad", "enable_grad",
+    "is_tensor", "is_floating_point", "is_complex", "numel", "result_type", "can_cast",
+    "promote_types", "manual_seed", "seed", "get_default_dtype", "set_default_dtype", "compile",
+    "save", "load", "cond", "vmap", "autocast", "typename", "is_storage", "is_nonzero",
+    "is_same_size", "equal", "allclose", "isclose", "sym_int", "sym_float", "sym_max",
+    "sym_min", "sym_not", "sym_ite", "use_deterministic_algorithms",
+}
+
+
+def _candidates() -> list[Any]:
+    import torch.nn.functional as F
+
+    found: list[Any] = []
+    for mod in (torch, F, torch.linalg, torch.special, torch.fft):
+        for name in dir(mod):
+            if name.startswith("_") or name.endswith("_") or name in _SKIP:
+                continue
+            fn = getattr(mod, name, None)
+            if fn is None or isinstance(fn, type) or not callable(fn):
+                continue
+            if isinstance(fn, torch.nn.Module) or getattr(fn, "__module__", "") in ("typing",):
+                continue
+            if not (type(fn).__name__ in ("builtin_function_or_method", "function")):
+                continue
+            found.append(fn)
+    # Tensor methods that stay methods in the canonical graph (no torch.* namesake)
+    for name in ("unfold", "__rsub__", "__rpow__", "__rmod__", "__rmatmul__", "__rdiv__",
+                 "__rtruediv__", "__mod__", "index_put", "masked_scatter", "sum_to_size"):
+        fn = getattr(torch.Tensor, name, None)
+        if fn is not None:
+            found.append(fn)
+    return found
+
+
+def register_fallbacks() -> int:
+    """Register a fallback rule for every candidate op without a rule; returns how many."""
+    n = 0
+    for fn in _candidates():
+        try:
+            if fn in _RULES:
+                continue
+        except TypeError:
+            continue
+        _make_rule(fn)
+        n += 1
+    return n
+
+
+def _register_builtins() -> None:
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover
+        return
+    _register_custom_builtin("fxad_autograd_vjp",
+                             "from fxad.rules.fallback import autograd_vjp as fxad_autograd_vjp",
+                             autograd_vjp)
+    _register_custom_builtin("fxad_autograd_jvp",
+                             "from fxad.rules.fallback import autograd_jvp as fxad_autograd_jvp",
+                             autograd_jvp)
+
+
+_register_builtins()
+if not os.environ.get("FXAD_NO_FALLBACK"):
+    register_fallbacks()
