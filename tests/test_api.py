@@ -203,3 +203,23 @@ def test_checker_catches_a_wrong_rule():
             fxad.check(lambda x: twice(x).sin(), torch.randn(3))
     finally:
         fxad.unregister(twice)
+
+
+def test_grad_of_grad_through_fused_kernels_rebuilds_plain_formulas():
+    import torch.nn.functional as F
+
+    def f(x, w):
+        return F.gelu(F.layer_norm(x, (4,), w)).pow(2).sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(4, dtype=torch.float64)
+    g = fxad.grad(f, x, w)
+    assert "torch.ops.aten" in g.code  # first order uses the fused kernels
+    h = fxad.vjp(g, x, w)
+    ct = ((torch.ones(()), (torch.zeros_like(x), torch.ones_like(w))))
+    _, (hx, hw) = h(x, w, ct)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gx, gw = torch.autograd.grad(f(xr, wr), (xr, wr), create_graph=True)
+    rx, rw = torch.autograd.grad(f(xr, wr) + gw.sum(), (xr, wr))
+    torch.testing.assert_close(hx, rx)
+    torch.testing.assert_close(hw, rw)

@@ -15,6 +15,8 @@ from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, 
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
                      InputError, MissingRuleError, RuleError, SourceLoc)
 from .rules.fused import fused_kernels
+from .residuals import Partition, Policy, partition, set_residual_policy
+from .training import FxadModule, compile, joint_step
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
 
 __version__ = "0.1.0"
@@ -24,5 +26,6 @@ __all__ = [
     "all_rules", "unregister", "Rule", "CheckReport", "VJPModule", "ModeWarning", "FxadError",
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
     "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
-    "JVPModule", "BatchedDerivative",
+    "JVPModule", "BatchedDerivative", "compile", "FxadModule", "joint_step", "partition",
+    "Partition", "Policy", "set_residual_policy",
 ]

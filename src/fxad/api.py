@@ -65,9 +65,25 @@ def trace(f: Callable | torch.nn.Module, *example_inputs: Any,
             a shape error on the example inputs), with the source line and a fix.
         fxad.errors.InplaceError: an in-place op that cannot be rewritten safely.
     """
+    f = _without_fused_kernels(f)
     gm = capture(f, example_inputs, leaf_modules=leaf_modules)
     normalize(gm)
     return gm
+
+
+def _without_fused_kernels(f: Any) -> Any:
+    """An fxad-generated module about to be differentiated again: fused backward kernels have
+    no rules, so rebuild it with the plain-torch formulas (same values, differentiable)."""
+    if not (isinstance(f, fx.GraphModule) and "fxad_rebuild" in f.meta):
+        return f
+    if not any(n.op == "call_function" and isinstance(
+            n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            for n in f.graph.nodes):
+        return f
+    from .rules.fused import fused_kernels
+
+    with fused_kernels(False):
+        return f.meta["fxad_rebuild"]()
 
 
 def _source_module(f: Any) -> torch.nn.Module | None:
@@ -142,6 +158,9 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     out.meta["fxad_cotangent_names"] = info["cotangent_names"]
     if src_mod is not None:
         _install_mode_check(out, src_mod)
+    out.meta["fxad_rebuild"] = lambda: _build(
+        f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
+        argnums=argnums)
     return out
 
 

@@ -483,6 +483,8 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
             return
         if a.op == "get_attr":
             benv[a] = bg.node_copy(a)
+            benv[a].meta = dict(a.meta)
+            benv[a].meta["fxad_bwd_of"] = label
             return
         if a not in recompute:
             raise InputError(f"internal: `{a.name}` is neither saved nor recomputed")

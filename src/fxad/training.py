@@ -1,0 +1,257 @@
+"""fxad in an ordinary PyTorch training loop.
+
+:func:`compile` wraps a model so that ``loss = m(x); loss.backward(); opt.step()`` runs
+fxad's generated code: the forward graph of :func:`fxad.residuals.partition` runs in the
+forward of a ``torch.autograd.Function`` and saves the residuals, the backward graph runs in
+its backward.  The parameters are explicit inputs of that Function, so ``loss.backward()``
+fills their ``.grad`` exactly where autograd would (accumulating, ``None`` for unused ones).
+
+:func:`joint_step` returns the whole training step (forward + backward, the code of
+:func:`fxad.grad`) as one callable, optionally through ``torch.compile``, so that inductor
+can fuse across the forward/backward boundary.
+
+Mixed precision: code captured inside ``torch.autocast`` records the autocast result dtypes
+in ``meta['val']`` (the fake-tensor capture goes through the autocast dispatch key) and the
+backward code is written for those dtypes, but no cast node is recorded; the generated code
+is therefore always *run* under the autocast state it was captured with (forward and
+backward, whatever the state at ``loss.backward()`` time), which reproduces autograd's
+dtypes.  :func:`compile` captures once per autocast state, like once per input shape.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .api import grad as _grad
+from .api import vjp as _vjp
+from .errors import InputError
+from .residuals import Partition, Policy, partition
+
+__all__ = ["compile", "FxadModule", "joint_step", "autocast_state", "inductor_available"]
+
+
+def autocast_state(device_types: Iterable[str] = ("cpu", "cuda")) -> tuple:
+    """The current autocast state: ``((device_type, enabled, dtype), ...)``."""
+    out = []
+    for d in device_types:
+        try:
+            on = torch.is_autocast_enabled(d)
+            dt = torch.get_autocast_dtype(d) if on else None
+        except (RuntimeError, TypeError):  # device type unknown to this build
+            continue
+        out.append((d, bool(on), dt))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple) -> Any:
+    """Enter the autocast ``state`` recorded by :func:`autocast_state`."""
+    with contextlib.ExitStack() as stack:
+        for d, on, dt in state:
+            if on:
+                stack.enter_context(torch.autocast(d, dtype=dt))
+            elif torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+class _Plan:
+    """One capture of the model for one input signature: partition + bookkeeping."""
+
+    def __init__(self, part: Partition, n_inputs: int, autocast: tuple,
+                 vjp_gm: fx.GraphModule) -> None:
+        self.part = part
+        self.n_inputs = n_inputs
+        self.autocast = autocast
+        self.vjp_gm = vjp_gm
+
+
+class _Bridge(torch.autograd.Function):
+    """``forward(plan, *inputs, *params)`` runs the forward graph; ``backward`` the
+    backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *args: Any) -> Any:  # type: ignore[override]
+        part = plan.part
+        inputs = args[:plan.n_inputs]
+        with _autocast(plan.autocast):
+            res = part.fwd_gm(*inputs)
+        outs, saved = res[:part.n_outputs], res[part.n_outputs:]
+        tensors = [s if isinstance(s, torch.Tensor) else None for s in saved]
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        ctx.others = [None if isinstance(s, torch.Tensor) else s for s in saved]
+        ctx.plan = plan
+        nondiff = [o for o, f in zip(outs, part.float_outputs) if not f]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(outs) if len(outs) != 1 else outs[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *d_outs: Any) -> Any:  # type: ignore[override]
+        plan: _Plan = ctx.plan
+        part = plan.part
+        it = iter(ctx.saved_tensors)
+        saved = [next(it) if o is None else o for o in ctx.others]
+        cots = [d for d, f in zip(d_outs, part.float_outputs) if f]
+        with _autocast(plan.autocast):
+            grads = part.bwd_gm(*saved, *cots)
+        n = len(part.input_grads)
+        in_g = list(grads[:n])
+        for i, need in enumerate(ctx.needs_input_grad[1:1 + n]):
+            if not need:
+                in_g[i] = None
+        return (None, *in_g, *grads[n:])
+
+
+class FxadModule(torch.nn.Module):
+    """Module returned by :func:`compile`; see there.  ``self.module`` is the wrapped model
+    (its parameters are this module's parameters, so optimizers work unchanged)."""
+
+    def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "min_memory",
+                 leaf_modules: Iterable[type] = ()) -> None:
+        super().__init__()
+        self.module = module
+        self.policy = policy
+        self.leaf_modules = tuple(leaf_modules)
+        self._plans: dict[Any, _Plan] = {}
+
+    # ------------------------------------------------------------------ capture
+    def _signature(self, inputs: tuple) -> Any:
+        sig = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                sig.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            else:
+                sig.append(("const", repr(x)))
+        modes = tuple(m.training for m in self.module.modules())
+        trainable = tuple(p.requires_grad for p in self.module.parameters())
+        return tuple(sig), modes, trainable, autocast_state()
+
+    def plan(self, *inputs: Any) -> _Plan:
+        """The captured plan for ``inputs`` (capturing it on first use)."""
+        key = self._signature(inputs)
+        p = self._plans.get(key)
+        if p is None:
+            argnums = tuple(i for i, x in enumerate(inputs)
+                            if isinstance(x, torch.Tensor) and x.requires_grad
+                            and (x.is_floating_point() or x.is_complex()))
+            g = _vjp(self.module, *inputs, argnums=argnums, leaf_modules=self.leaf_modules)
+            part = partition(g, self.policy)
+            p = _Plan(part, len(inputs), autocast_state(), g)
+            self._plans[key] = p
+        return p
+
+    def partition(self, *inputs: Any) -> Partition:
+        """The forward/backward :class:`~fxad.residuals.Partition` used for ``inputs``."""
+        return self.plan(*inputs).part
+
+    @property
+    def fwd_gm(self) -> fx.GraphModule:
+        """Forward graph of the most recent capture."""
+        return self._last().part.fwd_gm
+
+    @property
+    def bwd_gm(self) -> fx.GraphModule:
+        """Backward graph of the most recent capture."""
+        return self._last().part.bwd_gm
+
+    def _last(self) -> _Plan:
+        if not self._plans:
+            raise InputError("nothing captured yet: call the module (or .plan(*inputs)) first")
+        return next(reversed(self._plans.values()))
+
+    # ------------------------------------------------------------------ call
+    def forward(self, *inputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.module(*inputs)
+        plan = self.plan(*inputs)
+        part = plan.part
+        params = [self.module.get_parameter(n) for n in part.param_names]
+        if not any(p.requires_grad for p in params) and not any(part.input_grads):
+            return self.module(*inputs)
+        out = _Bridge.apply(plan, *inputs, *params)
+        leaves = list(out) if isinstance(out, tuple) else [out]
+        return pytree.tree_unflatten(leaves, part.out_spec)
+
+
+def compile(model: torch.nn.Module, *example_inputs: Any,
+            policy: str | Policy | None = "min_memory",
+            leaf_modules: Iterable[type] = ()) -> FxadModule:
+    """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
+
+    >>> m = fxad.compile(model)                       # doctest: +SKIP
+    >>> loss = m(x, y); loss.backward(); opt.step()  # doctest: +SKIP
+
+    Each call of the returned :class:`FxadModule` with grad mode on runs the forward graph
+    inside a ``torch.autograd.Function`` whose backward is fxad's backward graph; the
+    parameters (and inputs with ``requires_grad``) receive ``.grad`` through autograd, as
+    with the original model.  Under ``torch.no_grad()`` the original model runs.
+
+    The model is captured on first call for each input signature (shapes, dtypes,
+    ``requires_grad``), set of ``training`` flags and autocast state; pass
+    ``example_inputs`` to capture eagerly.  Parameters and buffers are read from the live
+    model (optimizer updates are seen; they are not saved for backward, so modifying them
+    in place between forward and backward is not detected as autograd would).
+
+    Args:
+        policy: residual policy: ``"min_memory"`` (default: save least, recomputing only
+            elementwise ops and views), ``"save"`` (recompute nothing) or a
+            :class:`fxad.residuals.Policy` with per-op / per-node choices.
+        leaf_modules: as in :func:`fxad.vjp`.
+
+    The split is inspectable: ``m.partition(*inputs)`` gives the
+    :class:`fxad.residuals.Partition` (``fwd_gm``, ``bwd_gm``, ``saved_names``,
+    ``saved_bytes``, ``report()``).
+    """
+    m = FxadModule(model, policy=policy, leaf_modules=leaf_modules)
+    if example_inputs:
+        m.plan(*example_inputs)
+    return m
+
+
+_INDUCTOR_OK: bool | None = None
+
+
+def inductor_available() -> bool:
+    """Whether ``torch.compile`` with inductor works here (tried once on a tiny function:
+    it needs a C++ compiler on CPU)."""
+    global _INDUCTOR_OK
+    if _INDUCTOR_OK is None:
+        try:
+            f = torch.compile(lambda x: (x.sin() + 1).sum(), backend="inductor")
+            f(torch.randn(8))
+            _INDUCTOR_OK = True
+        except Exception:
+            _INDUCTOR_OK = False
+    return _INDUCTOR_OK
+
+
+def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
+               compile: bool | str = True, argnums: Any = (),
+               leaf_modules: Iterable[type] = (), **compile_kwargs: Any) -> Callable:
+    """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
+    param_grads)`` (the code of :func:`fxad.grad`), through ``torch.compile`` when
+    ``compile`` is true (``compile="aot_eager"`` etc. picks the backend), so inductor fuses
+    across the forward/backward boundary.
+
+    Captured inside ``torch.autocast``, the step runs under the same autocast state.  The
+    uncompiled graph module is ``step.graph_module``.
+    """
+    g = _grad(model, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
+    state = autocast_state()
+    fn: Callable = g.forward
+    if compile:
+        backend = compile if isinstance(compile, str) else "inductor"
+        fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
+
+    def step(*inputs: Any) -> Any:
+        with torch.no_grad(), _autocast(state):
+            return fn(*inputs)
+
+    step.graph_module = g  # type: ignore[attr-defined]
+    return step
