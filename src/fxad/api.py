@@ -232,7 +232,11 @@ def _install_mode_check(gm: fx.GraphModule, mod: torch.nn.Module) -> None:
     captured = {n: m.training for n, m in mod.named_modules()}
     gm.meta["fxad_training_flags"] = captured
 
+    pairs = [(m, m.training) for _, m in mod.named_modules()]
+
     def hook(_gm: Any, _args: Any) -> None:
+        if all(m.training is flag for m, flag in pairs):  # cheap per-call check
+            return
         now = {n: m.training for n, m in mod.named_modules()}
         if now != captured:
             diff = next(n for n in captured if now.get(n) != captured[n])

@@ -124,9 +124,15 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
 def _make_rule(op: Any) -> None:
     from .registry import op_name
 
+    from ..codegen import public_spelling
+
     name = op_name(op)
     _BY_NAME[name] = op
+    _BY_NAME[public_spelling(name)] = op  # how generated code spells it
+    method = getattr(torch.Tensor, getattr(op, "__name__", ""), None) is op
     def fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if method:  # a Tensor method: call it on the proxy
+            return getattr(args[0], op.__name__)(*args[1:], **kwargs), (args, kwargs)
         return op(*args, **kwargs), (args, kwargs)
 
     def bwd(aux: Any, d_out: Any) -> dict:
