@@ -126,18 +126,18 @@ def test_data_dependent_shape_error():
 
 def test_missing_rule_error_names_op_line_and_registration():
     def f(x):
-        return torch.special.bessel_j0(x).sum()
+        return torch.special.airy_ai(x).sum()
 
     with pytest.raises(fxad.MissingRuleError) as e:
         fxad.vjp(f, torch.randn(3))
     msg = str(e.value)
-    assert "bessel_j0" in msg and "test_capture.py" in msg and "register_vjp" in msg
+    assert "airy_ai" in msg and "test_capture.py" in msg and "register_vjp" in msg
 
 
 def test_nondifferentiable_path_needs_no_rule():
     # integer ops and ops on non-differentiable inputs are copied, not differentiated
     def f(x, idx):
-        k = torch.special.bessel_j0(idx.float())
+        k = torch.special.airy_ai(idx.float())
         return (x * k).sum()
 
     fxad.check(f, torch.randn(3), torch.tensor([1, 2, 3]))

@@ -163,6 +163,9 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
         return _SampleOutcome("skip", "no floating tensor input")
     n_input = len(pytree.tree_leaves(sample.input))
     fn_op = op.op
+    # a Tensor method OpInfo (``torch.Tensor.cfloat``) is called the way users write it
+    name = getattr(fn_op, "__name__", "")
+    is_method = name and getattr(torch.Tensor, name, None) is fn_op
 
     def make_fn(active: list[int]) -> Callable:
         def fn(*xs: Any) -> Any:
@@ -170,6 +173,8 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
             for i, x in zip(active, xs):
                 vals[i] = x
             inp, args, kwargs = pytree.tree_unflatten(vals, spec)
+            if is_method:
+                return getattr(inp, name)(*args, **kwargs)
             return fn_op(inp, *args, **kwargs)
         fn.__name__ = op.name.replace(".", "_")
         return fn

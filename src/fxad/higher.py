@@ -12,16 +12,17 @@ Design
   compositions (``fxad.jvp(fxad.grad(f, x), x)``, ``fxad.vjp(fxad.grad(f, x), x)``) re-capture
   the generated module and differentiate it again, so second derivatives are plain code too.
   :func:`hvp` is forward-over-reverse: the JVP of the generated gradient code (built with
-  ``fxad.fused_kernels(False)``, since fused backward kernels have no rules; do the same
-  when composing by hand: ``with fxad.fused_kernels(False): g = fxad.grad(f, x)``).
+  ``fxad.fused_kernels(False)``, since fused backward kernels have no rules; when composing
+  by hand, fxad rebuilds a generated module that contains fused kernels the same way).
 * **Jacobians and Hessians** are computed by ``torch.func.vmap`` over the generated code,
   batched over basis vectors (one VJP per output element for :func:`jacrev`, one JVP per input
   element for :func:`jacfwd`, one HVP per input element for :func:`hessian`).  The returned
   :class:`BatchedDerivative` exposes the generated per-vector module (``.module``, ``.code``).
 
-Names in generated forward-mode code: the tangent of input ``x`` is the placeholder ``t_x``;
-the tangent of an intermediate value ``v`` is ``t_v`` (so in an HVP, ``t_d_x`` is the tangent
-of the gradient ``d_x``: the Hessian-vector product).
+Names in generated forward-mode code: the tangent of input ``x`` is the placeholder
+``dot_x``; the tangent of an intermediate value ``v`` is ``dot_v`` (so in an HVP, ``dot_d_x``
+is the tangent of the gradient ``d_x``: the Hessian-vector product).  ``dot_`` rather than
+``t_`` because FX already names transposes ``t``, ``t_1``.
 """
 from __future__ import annotations
 

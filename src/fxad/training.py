@@ -10,12 +10,15 @@ fills their ``.grad`` exactly where autograd would (accumulating, ``None`` for u
 :func:`fxad.grad`) as one callable, optionally through ``torch.compile``, so that inductor
 can fuse across the forward/backward boundary.
 
-Mixed precision: code captured inside ``torch.autocast`` records the autocast result dtypes
-in ``meta['val']`` (the fake-tensor capture goes through the autocast dispatch key) and the
-backward code is written for those dtypes, but no cast node is recorded; the generated code
-is therefore always *run* under the autocast state it was captured with (forward and
-backward, whatever the state at ``loss.backward()`` time), which reproduces autograd's
-dtypes.  :func:`compile` captures once per autocast state, like once per input shape.
+Mixed precision: a capture inside ``torch.autocast`` records autocast's result dtypes in
+``meta['val']`` (the fake tensors go through the autocast dispatch key) but not its casts,
+and the generated backward would mix dtypes (``convolution_backward`` of a bfloat16
+cotangent and a float32 weight fails).  So under autocast, :func:`compile` and
+:func:`joint_step` capture the model, make autocast's casts explicit
+(:func:`materialize_autocast`: ``w.to(torch.bfloat16)`` before a ``linear``), and
+differentiate that graph: the generated code shows every cast, and runs with autocast
+disabled (whatever the state at ``loss.backward()`` time).  :func:`compile` captures once
+per autocast state, as once per input shape.
 """
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .api import grad as _grad
+from .api import trace as _trace
 from .api import vjp as _vjp
 from .errors import InputError
 from .residuals import Partition, Policy, partition
 
-__all__ = ["compile", "FxadModule", "joint_step", "autocast_state", "inductor_available"]
+__all__ = ["compile", "FxadModule", "joint_step", "autocast_state", "inductor_available",
+           "materialize_autocast"]
 
 
 def autocast_state(device_types: Iterable[str] = ("cpu", "cuda")) -> tuple:
@@ -57,6 +62,84 @@ def _autocast(state: tuple) -> Any:
             elif torch.is_autocast_enabled(d):
                 stack.enter_context(torch.autocast(d, enabled=False))
         yield
+
+
+def _first_float(v: Any) -> torch.Tensor | None:
+    for x in pytree.tree_leaves(v):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x
+    return None
+
+
+def materialize_autocast(gm: fx.GraphModule) -> int:
+    """Make the casts of ``torch.autocast`` explicit in a graph captured under autocast.
+
+    The capture records autocast's result dtypes in ``meta['val']`` but not its casts.  For
+    each op whose floating inputs have another dtype than its floating output, the op is
+    evaluated again on fake tensors with autocast disabled; where that fails (a ``linear``
+    of bfloat16 activations and float32 weights) or gives another dtype (``cross_entropy``
+    run in float32), ``.to(dtype)`` casts of the mismatching inputs to the output dtype are
+    inserted, which is what autocast does for its lower-precision and float32 op lists.
+    Returns the number of casts inserted.  Capturing the result again outside autocast and
+    differentiating it gives autograd's backward of an autocast region (``.to`` backward
+    casts the cotangents back).
+    """
+    graph = gm.graph
+    n_casts = 0
+    for n in list(graph.nodes):
+        if n.op not in ("call_function", "call_method"):
+            continue
+        out = _first_float(n.meta.get("val"))
+        if out is None:
+            continue
+        dt = out.dtype
+        bad = [a for a in n.all_input_nodes
+               if isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].is_floating_point() and a.meta["val"].dtype != dt]
+        if not bad:
+            continue
+        mode = getattr(out, "fake_mode", None)
+        try:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+            with contextlib.ExitStack() as st:
+                if mode is not None:
+                    st.enter_context(mode)
+                st.enter_context(_autocast(_no_autocast()))
+                if n.op == "call_method":
+                    v = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    v = n.target(*args, **kwargs)
+            plain = _first_float(v)
+            if plain is not None and plain.dtype == dt:
+                continue
+        except Exception:
+            pass
+        for a in bad:
+            with graph.inserting_before(n):
+                c = graph.call_method("to", (a, dt))
+            c.meta.update({k: v for k, v in a.meta.items() if k == "fxad_loc"})
+            with contextlib.ExitStack() as st:
+                if mode is not None:
+                    st.enter_context(mode)
+                c.meta["val"] = a.meta["val"].to(dt)
+            n.replace_input_with(a, c)
+            n_casts += 1
+    if n_casts:
+        gm.recompile()
+    return n_casts
+
+
+def _no_autocast() -> tuple:
+    return tuple((d, False, None) for d, _, _ in autocast_state())
+
+
+def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type]) -> Any:
+    """``model`` itself outside autocast; inside, its graph with explicit casts."""
+    if not any(on for _, on, _ in autocast_state()):
+        return model
+    gm = _trace(model, *inputs, leaf_modules=leaf_modules)
+    materialize_autocast(gm)
+    return gm
 
 
 class _Plan:
@@ -140,9 +223,11 @@ class FxadModule(torch.nn.Module):
             argnums = tuple(i for i, x in enumerate(inputs)
                             if isinstance(x, torch.Tensor) and x.requires_grad
                             and (x.is_floating_point() or x.is_complex()))
-            g = _vjp(self.module, *inputs, argnums=argnums, leaf_modules=self.leaf_modules)
+            f = _capture_for_autocast(self.module, inputs, self.leaf_modules)
+            with _autocast(_no_autocast()):
+                g = _vjp(f, *inputs, argnums=argnums, leaf_modules=self.leaf_modules)
             part = partition(g, self.policy)
-            p = _Plan(part, len(inputs), autocast_state(), g)
+            p = _Plan(part, len(inputs), _no_autocast(), g)
             self._plans[key] = p
         return p
 
@@ -239,11 +324,14 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     ``compile`` is true (``compile="aot_eager"`` etc. picks the backend), so inductor fuses
     across the forward/backward boundary.
 
-    Captured inside ``torch.autocast``, the step runs under the same autocast state.  The
-    uncompiled graph module is ``step.graph_module``.
+    Captured inside ``torch.autocast``, autocast's casts are explicit in the graph (see the
+    module docstring) and the step runs with autocast disabled.  The uncompiled graph module
+    is ``step.graph_module``.
     """
-    g = _grad(model, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
-    state = autocast_state()
+    f = _capture_for_autocast(model, example_inputs, leaf_modules)
+    state = _no_autocast()
+    with _autocast(state):
+        g = _grad(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
     fn: Callable = g.forward
     if compile:
         backend = compile if isinstance(compile, str) else "inductor"

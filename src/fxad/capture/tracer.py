@@ -235,7 +235,10 @@ class CaptureTracer(fx.Tracer):
             ph.node.meta["val"] = to_fake(example)
             ph.node.meta["fxad_input"] = True
             self.input_names.append(ph.node.name)
-            values.append(ph if _has_tensor(example) else example)
+            if isinstance(example, (tuple, list, dict)) and _has_tensor(example):
+                values.append(_unpack(ph, example))  # a real container of proxies
+            else:
+                values.append(ph if _has_tensor(example) else example)
         root = self.root
 
         def run(*_ignored):  # no annotations: fx copies the return annotation
@@ -246,6 +249,17 @@ class CaptureTracer(fx.Tracer):
 
         run.__globals__  # noqa: B018 - fx reads __globals__ of the returned fn
         return run, []
+
+
+def _unpack(p: TensorProxy, example: Any) -> Any:
+    """The container ``example`` rebuilt with proxies ``p[k]...`` for its tensor leaves, so the
+    user's code sees a real dict/list/tuple (``torch.func.functional_call(m, params, ...)``)."""
+    if isinstance(example, dict):
+        return {k: _unpack(p[k], v) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        items = [_unpack(p[i], v) for i, v in enumerate(example)]
+        return type(example)(items) if type(example) in (tuple, list) else type(example)(*items)
+    return p if isinstance(example, torch.Tensor) else example
 
 
 def _is_inplace_method(name: Any) -> bool:

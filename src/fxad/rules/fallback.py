@@ -77,20 +77,47 @@ def autograd_vjp(op: Any, args: tuple, kwargs: dict, d_out: Any) -> tuple:
     op = _resolve(op)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
-    with torch.enable_grad():
-        xs = [leaves[i].detach().requires_grad_(True) for i in slots]
-        vals = list(leaves)
-        for i, x in zip(slots, xs):
-            vals[i] = x
-        a, kw = pytree.tree_unflatten(vals, spec)
-        out = op(*a, **kw)
-        outs = pytree.tree_leaves(out)
-        cots = pytree.tree_leaves(d_out, is_leaf=lambda x: x is None) \
-            if not isinstance(d_out, torch.Tensor) else [d_out]
-        pairs = [(o, c) for o, c in zip(outs, cots)
-                 if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], xs, [c for _, c in pairs],
-                                    allow_unused=True) if pairs else [None] * len(xs)
+    from ..capture.proxy import in_meta_computation
+    if in_meta_computation():  # shapes only: one cotangent shaped like each floating leaf
+        return tuple(torch.zeros_like(leaves[i]) for i in slots)
+    xs = [leaves[i].detach() for i in slots]
+    cots = [d_out] if isinstance(d_out, torch.Tensor) else \
+        pytree.tree_leaves(d_out, is_leaf=lambda x: x is None)
+
+    def grads_wrt(which: list[int]) -> list[Any]:
+        with torch.enable_grad():
+            req = [x.requires_grad_(True) if k in which else x
+                   for k, x in enumerate(x.detach() for x in xs)]
+            vals = list(leaves)
+            for i, x in zip(slots, req):
+                vals[i] = x
+            a, kw = pytree.tree_unflatten(vals, spec)
+            outs = pytree.tree_leaves(op(*a, **kw))
+            pairs = [(o, c) for o, c in zip(outs, cots)
+                     if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            wrt = [req[k] for k in which]
+            g = torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
+                                    allow_unused=True) if pairs and wrt else [None] * len(wrt)
+        full: list[Any] = [None] * len(xs)
+        for k, gk in zip(which, g):
+            full[k] = gk
+        return full
+
+    try:
+        grads = grads_wrt(list(range(len(xs))))
+    except RuntimeError as e:
+        if "is not differentiable with respect to argument" not in str(e):
+            raise
+        # some floating arguments are not differentiable (a running mean, a target):
+        # differentiate only those that are
+        ok = []
+        for k in range(len(xs)):
+            try:
+                grads_wrt([k])
+                ok.append(k)
+            except RuntimeError:
+                pass
+        grads = grads_wrt(ok)
     return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))
 
 
@@ -188,7 +215,9 @@ _SKIP = {
     "promote_types", "manual_seed", "seed", "get_default_dtype", "set_default_dtype", "compile",
     "save", "load", "cond", "vmap", "autocast", "typename", "is_storage", "is_nonzero",
     "is_same_size", "equal", "allclose", "isclose", "sym_int", "sym_float", "sym_max",
-    "sym_min", "sym_not", "sym_ite", "use_deterministic_algorithms",
+    "sym_min", "sym_not", "sym_ite", "use_deterministic_algorithms", "binomial",
+    "native_dropout", "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
+    "random_", "standard_gamma", "poisson_nll_loss_random",
 }
 
 

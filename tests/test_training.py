@@ -1,0 +1,261 @@
+"""fxad.compile (autograd bridge), residual policies, joint-step torch.compile, autocast."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxad
+from fxad.demo.models import MLP, SmallCNN, TinyGPT
+from fxad.residuals import Policy, partition
+from fxad.training import inductor_available, joint_step
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP(d_in=16, hidden=32, d_out=4), (torch.randn(8, 16), torch.randn(8, 4))
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return SmallCNN(width=4).train(), (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    m = TinyGPT(40, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    return m, (torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16)))
+
+
+CASES = {"mlp": _mlp, "cnn": _cnn, "gpt": _gpt}
+
+
+def _train_both(model, inputs, *, policy="min_memory", steps=3, autocast=None, atol=1e-5,
+                device_type="cpu"):
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    fm = fxad.compile(mine, policy=policy)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    o_fx = torch.optim.SGD(fm.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        losses = []
+        for m in (ref, fm):
+            if autocast is not None:
+                with torch.autocast(device_type, dtype=autocast):
+                    loss = m(*inputs)
+            else:
+                loss = m(*inputs)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], atol=atol, rtol=1e-4)
+        for (name, p_ref), p in zip(ref.named_parameters(), mine.parameters()):
+            if p_ref.grad is None:
+                assert p.grad is None, name
+                continue
+            assert p.grad is not None, name
+            assert p.grad.dtype == p_ref.grad.dtype and p.grad.shape == p_ref.grad.shape
+            torch.testing.assert_close(p.grad, p_ref.grad, atol=atol, rtol=1e-4, msg=name)
+        o_ref.step()
+        o_fx.step()
+        o_ref.zero_grad()
+        o_fx.zero_grad()
+    for b_ref, b in zip(ref.buffers(), mine.buffers()):  # batch-norm running statistics
+        torch.testing.assert_close(b.float(), b_ref.float(), atol=1e-5, rtol=1e-4)
+    return fm
+
+
+@pytest.mark.parametrize("policy", ["save", "min_memory"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bridge_matches_autograd_over_steps(case, policy):
+    model, inputs = CASES[case]()
+    _train_both(model, inputs, policy=policy)
+
+
+def test_bridge_backward_is_fxad_code():
+    model, inputs = _mlp()
+    fm = fxad.compile(model, *inputs)
+    assert fm.bwd_gm is fm.partition(*inputs).bwd_gm
+    loss = fm(*inputs)
+    assert type(loss.grad_fn).__name__ == "_BridgeBackward"
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bridge_accumulates_and_input_grads():
+    model, (x, y) = _mlp()
+    ref = copy.deepcopy(model)
+    fm = fxad.compile(model)
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    for _ in range(2):  # .grad accumulates over two backward calls, as with autograd
+        fm(xa, y).backward()
+        ref(xb, y).backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_unused_and_frozen_parameters():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+            self.frozen = nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(self.a(x)).pow(2).mean()
+
+    torch.manual_seed(0)
+    m = M()
+    fm = fxad.compile(m)
+    fm(torch.randn(3, 4)).backward()
+    assert m.a.weight.grad is not None
+    assert m.unused.weight.grad is None and m.frozen.weight.grad is None
+
+
+def test_no_grad_runs_the_model():
+    model, inputs = _mlp()
+    fm = fxad.compile(model)
+    with torch.no_grad():
+        out = fm(*inputs)
+    assert out.grad_fn is None and not fm._plans
+
+
+def test_tuple_output_and_cotangents():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = self.l(x)
+            return h.sin(), h.argmax(-1)
+
+    torch.manual_seed(0)
+    m = Two()
+    x = torch.randn(4, 5)
+    fm = fxad.compile(copy.deepcopy(m))
+    a, idx = fm(x)
+    assert idx.dtype == torch.int64 and not idx.requires_grad
+    w = torch.randn(4, 3)
+    (a * w).sum().backward()
+    a2, _ = m(x)
+    (a2 * w).sum().backward()
+    torch.testing.assert_close(fm.module.l.weight.grad, m.l.weight.grad)
+
+
+# --------------------------------------------------------------------------- residuals
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policies_give_identical_gradients(case):
+    model, inputs = CASES[case]()
+    g = fxad.vjp(model, *inputs, argnums=())
+    state = copy.deepcopy(model.state_dict())
+    results = []
+    policies = ["save", "min_memory", Policy(by_op={"linear": "recompute", "gelu": "save"}),
+                Policy(recompute_cheap=False, by_op={"relu": "recompute"})]
+    for pol in policies:
+        model.load_state_dict(state)  # batch-norm statistics: same start for each policy
+        part = partition(g, pol)
+        with torch.no_grad():
+            res = part.fwd_gm(*inputs)
+            grads = part.bwd_gm(*res[part.n_outputs:], torch.ones(()))
+        results.append((res[0], grads))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        for a, b in zip(grads, results[0][1]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_min_memory_saves_no_more_and_recomputes_only_cheap_ops():
+    model, inputs = _gpt()
+    g = fxad.vjp(model, *inputs, argnums=())
+    save = partition(g, "save")
+    mm = partition(g, "min_memory")
+    assert save.recomputed == []
+    assert mm.saved_bytes < save.saved_bytes
+    kinds = {n.name: fxad.residuals.op_kind(n) for n in g.graph.nodes}
+    assert mm.recomputed and all(kinds[r] in fxad.residuals.CHEAP_OPS for r in mm.recomputed)
+    # the saved list is named and printed
+    assert mm.fwd_gm.saved_names == mm.saved_names
+    assert "# saved for backward" in mm.fwd_gm.code
+    assert all(name in mm.fwd_gm.code for name in mm.saved_names)
+    assert "# recomputed here:" in mm.bwd_gm.code
+    shown = fxad.show(mm.bwd_gm, file=open("/dev/null", "w"))
+    assert "[saved " in shown  # saved bytes per backward block
+    assert "saves" in mm.report()
+
+
+def test_per_node_recompute_and_bad_policy():
+    model, inputs = _mlp()
+    g = fxad.vjp(model, *inputs, argnums=())
+    lin = next(n.name for n in g.graph.nodes if fxad.residuals.op_kind(n) == "linear")
+    part = partition(g, Policy(by_node={lin: "recompute"}))
+    assert lin in part.recomputed and lin not in part.saved_names
+    with pytest.raises(fxad.InputError):
+        partition(g, Policy(by_node={"x": "recompute"}))
+    with pytest.raises(fxad.InputError):
+        partition(g, "everything")
+
+
+def test_global_op_policy():
+    model, inputs = _gpt()
+    g = fxad.vjp(model, *inputs, argnums=())
+    fxad.set_residual_policy(F.gelu, "save")
+    try:
+        part = partition(g, "min_memory")
+        assert not any(r.startswith("gelu") for r in part.recomputed)
+    finally:
+        fxad.set_residual_policy(F.gelu, None)
+
+
+# --------------------------------------------------------------------------- autocast
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_autocast_matches_eager_autocast(case, dtype):
+    if dtype == torch.float16 and case == "cnn":
+        pytest.skip("CPU autocast float16 conv/batch-norm support varies by build")
+    model, inputs = CASES[case]()
+    fm = _train_both(model, inputs, steps=2, autocast=dtype, atol=2e-2)
+    code = fm.fwd_gm.code
+    assert f".to({dtype})" in code  # the casts are explicit
+
+
+# --------------------------------------------------------------------------- joint step
+
+def test_joint_step_uncompiled_matches_autograd():
+    model, inputs = _cnn()
+    ref = copy.deepcopy(model)
+    step = joint_step(model, *inputs, compile=False)
+    loss, _, grads = step(*inputs)
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_joint_step_torch_compile_matches():
+    if not inductor_available():
+        pytest.skip("torch.compile (inductor) unavailable here")
+    model, inputs = _mlp()
+    ref = copy.deepcopy(model)
+    step = joint_step(model, *inputs)
+    loss, _, grads = step(*inputs)
+    ref(*inputs).backward()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bridge_cuda_autocast():
+    model, inputs = _gpt()
+    model = model.cuda()
+    inputs = tuple(t.cuda() for t in inputs)
+    _train_both(model, inputs, steps=2)
+    _train_both(model, inputs, steps=2, autocast=torch.bfloat16, atol=2e-2, device_type="cuda")
