@@ -33,7 +33,7 @@ from .api import grad as _grad
 from .api import trace as _trace
 from .api import vjp as _vjp
 from .errors import InputError
-from .residuals import Partition, Policy, partition
+from .residuals import Partition, Policy, op_kind, partition
 
 __all__ = ["compile", "FxadModule", "joint_step", "autocast_state", "inductor_available",
            "materialize_autocast"]
@@ -71,13 +71,23 @@ def _first_float(v: Any) -> torch.Tensor | None:
     return None
 
 
+#: ops autocast runs in its lower-precision dtype (``autocast_mode.cpp``: CPU and CUDA lists)
+AUTOCAST_LOWER_OPS = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "_convolution", "conv_tbc", "bmm", "mm", "baddbmm", "addmm", "addbmm",
+    "linear", "matmul", "prelu", "scaled_dot_product_attention", "addmv", "addr",
+    "chain_matmul", "multi_dot", "linalg_vecdot", "_native_multi_head_attention",
+})
+
+
 def materialize_autocast(gm: fx.GraphModule) -> int:
     """Make the casts of ``torch.autocast`` explicit in a graph captured under autocast.
 
     The capture records autocast's result dtypes in ``meta['val']`` but not its casts.  For
     each op whose floating inputs have another dtype than its floating output, the op is
     evaluated again on fake tensors with autocast disabled; where that fails (a ``linear``
-    of bfloat16 activations and float32 weights) or gives another dtype (``cross_entropy``
+    of bfloat16 activations and float32 weights; ops of :data:`AUTOCAST_LOWER_OPS` are not
+    evaluated, as fake kernels do not always check dtypes) or gives another dtype (``cross_entropy``
     run in float32), ``.to(dtype)`` casts of the mismatching inputs to the output dtype are
     inserted, which is what autocast does for its lower-precision and float32 op lists.
     Returns the number of casts inserted.  Capturing the result again outside autocast and
@@ -99,21 +109,24 @@ def materialize_autocast(gm: fx.GraphModule) -> int:
         if not bad:
             continue
         mode = getattr(out, "fake_mode", None)
-        try:
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-            with contextlib.ExitStack() as st:
-                if mode is not None:
-                    st.enter_context(mode)
-                st.enter_context(_autocast(_no_autocast()))
-                if n.op == "call_method":
-                    v = getattr(args[0], n.target)(*args[1:], **kwargs)
-                else:
-                    v = n.target(*args, **kwargs)
-            plain = _first_float(v)
-            if plain is not None and plain.dtype == dt:
-                continue
-        except Exception:
-            pass
+        if op_kind(n) in AUTOCAST_LOWER_OPS:
+            pass  # autocast casts every floating input (fake kernels may not check dtypes)
+        else:
+            try:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+                with contextlib.ExitStack() as st:
+                    if mode is not None:
+                        st.enter_context(mode)
+                    st.enter_context(_autocast(_no_autocast()))
+                    if n.op == "call_method":
+                        v = getattr(args[0], n.target)(*args[1:], **kwargs)
+                    else:
+                        v = n.target(*args, **kwargs)
+                plain = _first_float(v)
+                if plain is not None and plain.dtype == dt:
+                    continue
+            except Exception:
+                pass
         for a in bad:
             with graph.inserting_before(n):
                 c = graph.call_method("to", (a, dt))

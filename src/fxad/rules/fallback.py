@@ -158,6 +158,7 @@ def _make_rule(op: Any) -> None:
     _BY_NAME[public_spelling(name)] = op  # how generated code spells it
     method = getattr(torch.Tensor, getattr(op, "__name__", ""), None) is op
     def fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        _refuse_random(op, args, kwargs)
         if method:  # a Tensor method: call it on the proxy
             return getattr(args[0], op.__name__)(*args[1:], **kwargs), (args, kwargs)
         return op(*args, **kwargs), (args, kwargs)
@@ -198,6 +199,29 @@ def _make_rule(op: Any) -> None:
     _FALLBACK_OPS.add(op)
 
 
+def _refuse_random(op: Any, args: tuple, kwargs: dict) -> None:
+    """The fallback recomputes the op in the backward, so a random op (dropout in training
+    mode) would get a different mask: refuse with a clear error instead of wrong numbers."""
+    import inspect
+
+    from ..errors import RuleError
+    from .registry import op_name
+
+    try:
+        b = inspect.signature(op).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return
+    b.apply_defaults()
+    a = b.arguments
+    p = a.get("dropout_p", a.get("dropout", a.get("p")))
+    if a.get("training", a.get("train")) is True and isinstance(p, (int, float)) and p > 0:
+        raise RuleError(f"{op_name(op)} with dropout (training=True, p={p}) has no "
+                        "hand-written rule, and the autograd fallback cannot reproduce its "
+                        "random mask", op=op_name(op),
+                        hint="register a rule with fxad.register_vjp, or set the dropout "
+                             "probability to 0 / training=False")
+
+
 def _is_float_leaf(v: Any) -> bool:
     return _is_diff(v) or (isinstance(v, torch.fx.Proxy) and _is_diff(v.node.meta.get("val")))
 
@@ -213,7 +237,8 @@ _SKIP = {
     "tensor", "as_tensor", "from_numpy", "set_grad_enabled", "no_grad", "enable_grad",
     "is_tensor", "is_floating_point", "is_complex", "numel", "result_type", "can_cast",
     "promote_types", "manual_seed", "seed", "get_default_dtype", "set_default_dtype", "compile",
-    "save", "load", "cond", "vmap", "autocast", "typename", "is_storage", "is_nonzero",
+    "while_loop", "scan", "associative_scan",
+    "save", "load", "vmap", "autocast", "typename", "is_storage", "is_nonzero",
     "is_same_size", "equal", "allclose", "isclose", "sym_int", "sym_float", "sym_max",
     "sym_min", "sym_not", "sym_ite", "use_deterministic_algorithms", "binomial",
     "native_dropout", "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
@@ -241,6 +266,20 @@ def _candidates() -> list[Any]:
     for name in ("unfold", "__rsub__", "__rpow__", "__rmod__", "__rmatmul__", "__rdiv__",
                  "__rtruediv__", "__mod__", "index_put", "masked_scatter", "sum_to_size"):
         fn = getattr(torch.Tensor, name, None)
+        if fn is not None:
+            found.append(fn)
+    # private ops that OpInfo tests directly (aten-level; users rarely call them)
+    aten = torch.ops.aten
+    for packet, overload in (("_softmax_backward_data", None), ("_batch_norm_with_update", None),
+                             ("_upsample_bilinear2d_aa", None), ("_safe_softmax", "default"),
+                             ("max_pool2d_with_indices_backward", "default"),
+                             ("native_dropout_backward", "default"), ("slice", "Tensor")):
+        p = getattr(aten, packet, None)
+        if p is not None:
+            found.append(p if overload is None else getattr(p, overload))
+    for name in ("_native_batch_norm_legit", "_unsafe_masked_index",
+                 "_unsafe_masked_index_put_accumulate"):
+        fn = getattr(torch, name, None)
         if fn is not None:
             found.append(fn)
     return found
