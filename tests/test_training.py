@@ -179,7 +179,7 @@ def test_policies_give_identical_gradients(case):
         part = partition(g, pol)
         with torch.no_grad():
             res = part.fwd_gm(*inputs)
-            grads = part.bwd_gm(*res[part.n_outputs:], torch.ones(()))
+            grads = part.bwd_gm([*res[part.n_outputs:], torch.ones(())])
         results.append((res[0], grads))
     for loss, grads in results[1:]:
         assert torch.equal(loss, results[0][0])

@@ -5,7 +5,8 @@ backward nodes tagged ``meta['fxad_bwd_of']``) and returns a :class:`Partition`:
 
 * ``fwd_gm(*inputs) -> (*outputs, *saved)``: the nodes the outputs need, the side effects
   (batch-norm running statistics) and the residuals;
-* ``bwd_gm(*saved, *cotangents) -> (*input_grads, *param_grads)``: the backward nodes, plus
+* ``bwd_gm([*saved, *cotangents]) -> (*input_grads, *param_grads)`` (one list, emptied on
+  entry so that saved tensors are freed after their last use): the backward nodes, plus
   the forward nodes the policy chose to *recompute* (each one emitted just before its first
   use, under the header of the backward block that needs it).
 
@@ -253,13 +254,18 @@ class _Flow:
 class _CommentCodeGen(fx.graph.CodeGen):
     """Default codegen plus a comment under the ``def`` line and one above ``return``."""
 
-    def __init__(self, head: str = "", tail: str = "") -> None:
+    def __init__(self, head: str = "", tail: str = "", boxed: bool = False) -> None:
         super().__init__()
-        self.head, self.tail = head, tail
+        self.head, self.tail, self.boxed = head, tail, boxed
 
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str,
                    **kw: Any) -> str:
-        text = super().gen_fn_def(free_vars, maybe_return_annotation, **kw)
+        if self.boxed:  # one list argument, emptied on entry: the graph owns its inputs
+            names = [v for v in free_vars if v != "self"]
+            text = super().gen_fn_def(["self", "args"], maybe_return_annotation)
+            text += f"\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args; args.clear()"
+        else:
+            text = super().gen_fn_def(free_vars, maybe_return_annotation, **kw)
         if self.head:
             text += "".join(f"\n    {ln}" for ln in self.head.splitlines())
         return text
@@ -275,7 +281,9 @@ class Partition:
 
     Attributes:
         fwd_gm: ``fwd_gm(*inputs) -> (*outputs, *saved)``.
-        bwd_gm: ``bwd_gm(*saved, *cotangents) -> (*input_grads, *param_grads)``.
+        bwd_gm: ``bwd_gm([*saved, *cotangents]) -> (*input_grads, *param_grads)``: one
+            list argument, emptied on entry, so that each saved tensor is freed after its
+            last use in the backward (as autograd frees a node's saved tensors).
         saved_names: names of the saved tensors, in ``fwd_gm``'s output order.
         saved_bytes: total bytes of the saved values (from ``meta['val']``).
         recomputed: names of the forward nodes recomputed in ``bwd_gm``.
@@ -559,7 +567,7 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     head += [f"#   {d}" for d in desc]
     if recompute:
         head.append("# recomputed here: " + ", ".join(n.name for n in avail if n in recompute))
-    bg._codegen = _CommentCodeGen(head="\n".join(head))
+    bg._codegen = _CommentCodeGen(head="\n".join(head), boxed=True)
     codegen.install(bg)
     root = vjp_gm.meta.get("fxad_source_module") or vjp_gm
     fwd_gm = fx.GraphModule(root, fg, class_name="ForwardGraph")

@@ -166,6 +166,9 @@ class _Plan:
         self.vjp_gm = vjp_gm
 
 
+_SAVED = object()  # marks a slot filled from ctx.saved_tensors
+
+
 class _Bridge(torch.autograd.Function):
     """``forward(plan, *inputs, *params)`` runs the forward graph; ``backward`` the
     backward graph."""
@@ -177,9 +180,22 @@ class _Bridge(torch.autograd.Function):
         with _autocast(plan.autocast):
             res = part.fwd_gm(*inputs)
         outs, saved = res[:part.n_outputs], res[part.n_outputs:]
-        tensors = [s if isinstance(s, torch.Tensor) else None for s in saved]
-        ctx.save_for_backward(*[t for t in tensors if t is not None])
-        ctx.others = [None if isinstance(s, torch.Tensor) else s for s in saved]
+        del res
+        # inputs and outputs go through save_for_backward (version checks, no reference
+        # cycle through the output's grad_fn); intermediates are kept in a plain list that
+        # the backward graph consumes, so that each is freed after its last use there
+        pinned = {id(t) for t in (*inputs, *outs) if isinstance(t, torch.Tensor)}
+        slots: list[Any] = []
+        to_save = []
+        for s in saved:
+            if isinstance(s, torch.Tensor) and id(s) in pinned:
+                slots.append(_SAVED)
+                to_save.append(s)
+            else:
+                slots.append(s)
+        del saved
+        ctx.save_for_backward(*to_save)
+        ctx.slots = slots
         ctx.plan = plan
         nondiff = [o for o, f in zip(outs, part.float_outputs) if not f]
         if nondiff:
@@ -191,11 +207,17 @@ class _Bridge(torch.autograd.Function):
     def backward(ctx: Any, *d_outs: Any) -> Any:  # type: ignore[override]
         plan: _Plan = ctx.plan
         part = plan.part
+        if ctx.slots is None:
+            raise RuntimeError("fxad: backward through this graph a second time; the saved "
+                               "tensors were freed (use retain_graph with the original model)")
         it = iter(ctx.saved_tensors)
-        saved = [next(it) if o is None else o for o in ctx.others]
-        cots = [d for d, f in zip(d_outs, part.float_outputs) if f]
+        args = [next(it) if s is _SAVED else s for s in ctx.slots]
+        ctx.slots = None
+        del it
+        args.extend(d for d, f in zip(d_outs, part.float_outputs) if f)
+        del d_outs
         with _autocast(plan.autocast):
-            grads = part.bwd_gm(*saved, *cots)
+            grads = part.bwd_gm(args)
         n = len(part.input_grads)
         in_g = list(grads[:n])
         for i, need in enumerate(ctx.needs_input_grad[1:1 + n]):

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.proxy import Emitter, TensorProxy, describe_target, fetch_attr
-from ..errors import RuleError
+from ..errors import FxadError, RuleError
 from ..rules.registry import _NEEDED, Rule, lookup, missing_rule
 
 _STRUCT = (tuple, list, dict)
@@ -201,8 +201,14 @@ class ReverseTransform:
             raise RuleError(f"rule for {node_desc(gm, node)} cannot take the call's arguments: {e}",
                             op=node_desc(gm, node), loc=node.meta.get("fxad_loc")) from e
         before = len(self.graph.nodes)
-        with self.em.meta_defaults(fxad_fwd_of=node.name):
-            result = rule.fwd(*args, **kwargs)
+        try:
+            with self.em.meta_defaults(fxad_fwd_of=node.name):
+                result = rule.fwd(*args, **kwargs)
+        except FxadError as e:
+            if e.loc is not None:
+                raise
+            raise type(e)(e.bare_message, op=e.op or node_desc(gm, node),
+                          loc=node.meta.get("fxad_loc"), hint=e.hint) from e
         if not (isinstance(result, tuple) and len(result) == 2):
             raise RuleError(f"fwd of the rule for {node_desc(gm, node)} must return (value, aux)",
                             op=node_desc(gm, node), loc=node.meta.get("fxad_loc"))

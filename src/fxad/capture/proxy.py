@@ -240,6 +240,18 @@ class TensorProxy(fx.Proxy):
         return self.tracer.create_proxy("call_method", "transpose", (self, -2, -1), {})
 
     @property
+    def H(self) -> Any:  # noqa: N802 - conjugate transpose of a 2-D tensor
+        t = self.tracer.create_proxy("call_function", torch.t, (self,), {})
+        return t if not self.meta.is_complex() else \
+            self.tracer.create_proxy("call_function", torch.conj, (t,), {})
+
+    @property
+    def mH(self) -> Any:  # noqa: N802
+        t = self.mT
+        return t if not self.meta.is_complex() else \
+            self.tracer.create_proxy("call_function", torch.conj, (t,), {})
+
+    @property
     def data(self) -> Any:
         return self.tracer.create_proxy("call_method", "detach", (self,), {})
 

@@ -82,6 +82,9 @@ class CaptureTracer(fx.Tracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,  # type: ignore[override]
                      proxy_factory_fn=None):
+        query = _metadata_query(kind, target, args)
+        if query is not None:  # x.is_floating_point(), torch.is_complex(x): answered now
+            return query(args[0].meta, *args[1:], **kwargs)
         if kind == "call_method" and _is_inplace_method(target) and args \
                 and isinstance(args[0], TensorProxy):
             return self._inplace_method(target, args, kwargs)
@@ -249,6 +252,24 @@ class CaptureTracer(fx.Tracer):
 
         run.__globals__  # noqa: B018 - fx reads __globals__ of the returned fn
         return run, []
+
+
+_METADATA_QUERIES = {"is_floating_point", "is_complex", "is_signed", "is_contiguous",
+                     "element_size", "ndimension", "nelement", "get_device", "is_inference"}
+
+
+def _metadata_query(kind: str, target: Any, args: tuple) -> Any:
+    """For calls that only read tensor metadata (dtype, layout), the function to run on the
+    fake value instead of recording a node."""
+    if not args or not isinstance(args[0], TensorProxy):
+        return None
+    name = target if kind == "call_method" else getattr(target, "__name__", None)
+    if name not in _METADATA_QUERIES:
+        return None
+    if kind == "call_function" and target is not getattr(torch, name, None) \
+            and target is not getattr(torch.Tensor, name, None):
+        return None
+    return lambda v, *a, **k: getattr(v, name)(*a, **k)
 
 
 def _unpack(p: TensorProxy, example: Any) -> Any:

@@ -76,12 +76,14 @@ def randn(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 
 def dims_of(dim: Any, ndim: int) -> tuple[int, ...]:
-    """Reduced dimensions as sorted non-negative ints (``None`` → all)."""
-    if dim is None:
-        return tuple(range(ndim))
+    """Reduced dimensions as sorted non-negative ints (``None`` or ``()`` → all)."""
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))  # torch reduces over all dims for dim=None and dim=()
     if isinstance(dim, int):
         dim = (dim,)
-    return tuple(sorted(d % ndim if ndim else 0 for d in dim))
+    if ndim == 0:  # a 0-d tensor: dim 0 / -1 name the tensor itself, nothing to restore
+        return ()
+    return tuple(sorted(d % ndim for d in dim))
 
 
 def restore_reduced(d: Any, dims: tuple[int, ...], keepdim: bool) -> Any:

@@ -173,6 +173,23 @@ class Pow:
         yield (2.0, _t((3,), dtype)), {}
 
 
+@builtin(operator.mod)
+class Mod:
+    """``a % b`` = a - floor(a / b) * b (Python's remainder, ``torch.remainder``): d_a = d,
+    d_b = -d * floor(a / b) (derivatives.yaml `remainder.Tensor`)."""
+
+    def fwd(a, b):
+        return a % b, (a, b)
+
+    def bwd(aux, d):
+        a, b = aux
+        return d, (-d * torch.floor_divide(a, b) if _is_t(b) else None)
+
+    def samples(dtype):
+        yield (_t((3, 4), dtype, -3.0, 3.0), _t((4,), dtype, 0.7, 1.3)), {}
+        yield (_t((3,), dtype, -3.0, 3.0), 0.9), {}
+
+
 def _add(a: Any, b: Any) -> Any:
     if a is None:
         return b
@@ -320,17 +337,24 @@ class Clamp:
         if hi is not None:
             keep = (x <= hi) if keep is None else keep & (x <= hi)
         d_x = d if keep is None else torch.where(keep, d, 0.0)
-        d_lo = torch.where(x < lo, d, 0.0) if _is_t(lo) else None
-        d_hi = torch.where(x > hi, d, 0.0) if _is_t(hi) else None
-        if d_lo is not None and hi is not None:
-            d_lo = torch.where(x > hi, 0.0, d_lo)
+        # as PyTorch's clamp_backward_min_max: with both bounds, min wins only where
+        # min < max; max takes the cotangent where x > max or max < min
+        d_lo = d_hi = None
+        if _is_t(lo):
+            lo_wins = x < lo if hi is None else (x < lo) & (lo < hi)
+            d_lo = torch.where(lo_wins, d, 0.0)
+        if _is_t(hi):
+            hi_wins = x > hi if lo is None else (x > hi) | (hi < lo)
+            d_hi = torch.where(hi_wins, d, 0.0)
         return d_x, d_lo, d_hi
 
     def jvp(primals, tangents):
         (x, lo, hi), (tx, t_lo, t_hi) = primals, tangents
+        # the tangent of whichever operand the value is (same selection as the VJP)
         t = tx if lo is None else _select(x < lo, t_lo, tx)
         if hi is not None:
-            t = _select(x > hi, t_hi, t)
+            hi_wins = x > hi if lo is None else (x > hi) | (hi < lo)
+            t = _select(hi_wins, t_hi, t)
         return torch.clamp(x, lo, hi), t
 
     def samples(dtype):

@@ -159,6 +159,7 @@ def _make_rule(op: Any) -> None:
     method = getattr(torch.Tensor, getattr(op, "__name__", ""), None) is op
     def fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         _refuse_random(op, args, kwargs)
+        _require_autograd_formula(op, name, method, args, kwargs)
         if method:  # a Tensor method: call it on the proxy
             return getattr(args[0], op.__name__)(*args[1:], **kwargs), (args, kwargs)
         return op(*args, **kwargs), (args, kwargs)
@@ -197,6 +198,40 @@ def _make_rule(op: Any) -> None:
 
     add_rule(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
     _FALLBACK_OPS.add(op)
+
+
+def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
+                              kwargs: dict) -> None:
+    """At transform time, on fake tensors: raise :class:`fxad.MissingRuleError` when autograd
+    has no derivative for this call either (e.g. ``torch.special.airy_ai``), instead of
+    generating code that fails when it runs."""
+    from ..capture.proxy import fake_mode
+    from .registry import missing_rule
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.fx.Proxy):
+            v = v.node.meta.get("val")
+        if _is_diff(v):
+            return v.detach().requires_grad_(True)
+        return v
+
+    if any(isinstance(v, torch.fx.Proxy) and not isinstance(v.node.meta.get("val"), torch.Tensor)
+           for v in pytree.tree_leaves((args, kwargs))):
+        return
+    try:
+        with fake_mode():
+            a, k = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
+            if any(isinstance(v, torch.fx.Proxy) for v in pytree.tree_leaves((a, k))):
+                return
+            with torch.enable_grad():
+                out = getattr(a[0], op.__name__)(*a[1:], **k) if method else op(*a, **k)
+    except Exception:  # cannot tell on fake tensors: let the generated code decide
+        return
+    outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
+    has_input = any(_is_diff(v) for v in pytree.tree_leaves((a, k)))
+    if has_input and outs and all(o.grad_fn is None or "NotImplemented" in type(o.grad_fn).__name__
+                                  for o in outs):
+        raise missing_rule(name, None)
 
 
 def _refuse_random(op: Any, args: tuple, kwargs: dict) -> None:

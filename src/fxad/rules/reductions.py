@@ -78,6 +78,11 @@ class Mean:
         yield (randn(3, 4, 5, dtype=dtype), (0, 2), True), {}
 
 
+def _safe_div(a: float, b: float) -> float:
+    """a / b with b <= 0 giving inf (autograd's var/std backward yields inf/nan there too)."""
+    return a / b if b > 0 else math.inf
+
+
 def _correction(unbiased: Any, correction: Any) -> float:
     if correction is not None:
         return float(correction)
@@ -109,7 +114,7 @@ class Var:
         n = _count(tuple(x.shape), dims)
         centered = x - torch.mean(x, dims, keepdim=True)
         return (restore_reduced(d, dims if dim is not None else (), keepdim)
-                * (centered * (2.0 / max(n - corr, 0))),)
+                * (centered * _safe_div(2.0, n - corr)),)
 
     def jvp(primals, tangents):
         x, dim, unbiased, keepdim, correction = primals
@@ -118,7 +123,7 @@ class Var:
         dims = dims_of(dim_, x.dim())
         n = _count(tuple(x.shape), dims)
         centered = x - torch.mean(x, dims, keepdim=True)
-        return out, torch.sum(centered * tangents[0], dims, keep) * (2.0 / max(n - corr, 0))
+        return out, torch.sum(centered * tangents[0], dims, keep) * _safe_div(2.0, n - corr)
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
@@ -143,7 +148,7 @@ class Std:
         n = _count(tuple(x.shape), dims)
         red = dims if dim is not None else ()
         centered = x - torch.mean(x, dims, keepdim=True)
-        scale = restore_reduced(d / out, red, keepdim) * (1.0 / max(n - corr, 0))
+        scale = restore_reduced(d / out, red, keepdim) * _safe_div(1.0, n - corr)
         return (centered * scale,)
 
     def jvp(primals, tangents):
@@ -153,7 +158,7 @@ class Std:
         dims = dims_of(dim_, x.dim())
         n = _count(tuple(x.shape), dims)
         centered = x - torch.mean(x, dims, keepdim=True)
-        return out, torch.sum(centered * tangents[0], dims, keep) * (1.0 / max(n - corr, 0)) / out
+        return out, torch.sum(centered * tangents[0], dims, keep) * _safe_div(1.0, n - corr) / out
 
     def samples(dtype):
         yield (randn(3, 4, dtype=dtype),), {}
@@ -180,7 +185,7 @@ class VarMean:
         d_x = None
         if d_var is not None:
             centered = x - torch.mean(x, dims, keepdim=True)
-            d_x = restore_reduced(d_var, red, keepdim) * (centered * (2.0 / max(n - corr, 0)))
+            d_x = restore_reduced(d_var, red, keepdim) * (centered * _safe_div(2.0, n - corr))
         if d_mean is not None:
             d_m = restore_reduced(d_mean, red, keepdim) / n
             d_x = d_m if d_x is None else d_x + d_m
@@ -194,7 +199,7 @@ class VarMean:
         dims = dims_of(dim_, x.dim())
         n = _count(tuple(x.shape), dims)
         centered = x - torch.mean(x, dims, keepdim=True)
-        t_var = torch.sum(centered * tx, dims, keep) * (2.0 / max(n - corr, 0))
+        t_var = torch.sum(centered * tx, dims, keep) * _safe_div(2.0, n - corr)
         return out, (t_var, torch.mean(tx, dims, keep))
 
     def samples(dtype):
