@@ -167,3 +167,21 @@ def test_leaf_module_without_rule_errors():
     with pytest.raises(fxad.MissingRuleError) as e:
         fxad.vjp(Outer(), torch.randn(3), leaf_modules=(Inner,))
     assert "Inner" in str(e.value) and "leaf" in str(e.value)
+
+
+def test_out_argument_is_refused():
+    def f(x):
+        buf = torch.empty(3)
+        torch.sin(x, out=buf)
+        return buf
+
+    with pytest.raises(fxad.InplaceError, match="out="):
+        fxad.trace(f, torch.randn(3))
+
+
+def test_metadata_queries_answered_at_capture():
+    def f(x):
+        return x * 2 if torch.is_floating_point(x) and not x.is_complex() else x
+
+    gm = fxad.trace(f, torch.randn(3))
+    assert "mul = x * 2" in gm.code and "is_floating_point" not in gm.code

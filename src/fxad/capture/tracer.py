@@ -82,6 +82,11 @@ class CaptureTracer(fx.Tracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,  # type: ignore[override]
                      proxy_factory_fn=None):
+        if kind in ("call_function", "call_method") and kwargs.get("out") is not None:
+            raise InplaceError(
+                f"{describe_target(kind, target)}(..., out=...) writes into an existing tensor",
+                op=describe_target(kind, target), loc=user_source_loc(),
+                hint="assign the result instead: y = op(...)")
         query = _metadata_query(kind, target, args)
         if query is not None:  # x.is_floating_point(), torch.is_complex(x): answered now
             return query(args[0].meta, *args[1:], **kwargs)

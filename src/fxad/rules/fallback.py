@@ -218,6 +218,9 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     if any(isinstance(v, torch.fx.Proxy) and not isinstance(v.node.meta.get("val"), torch.Tensor)
            for v in pytree.tree_leaves((args, kwargs))):
         return
+    from ..capture import proxy as _proxy
+
+    _proxy._STATE.in_meta = getattr(_proxy._STATE, "in_meta", 0) + 1  # factories: no recording
     try:
         with fake_mode():
             a, k = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
@@ -227,10 +230,14 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
                 out = getattr(a[0], op.__name__)(*a[1:], **k) if method else op(*a, **k)
     except Exception:  # cannot tell on fake tensors: let the generated code decide
         return
+    finally:
+        _proxy._STATE.in_meta -= 1
     outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
     has_input = any(_is_diff(v) for v in pytree.tree_leaves((a, k)))
-    if has_input and outs and all(o.grad_fn is None or "NotImplemented" in type(o.grad_fn).__name__
-                                  for o in outs):
+    if has_input and outs and all(
+            not o.requires_grad or (o.grad_fn is not None
+                                    and "NotImplemented" in type(o.grad_fn).__name__)
+            for o in outs):
         raise missing_rule(name, None)
 
 
