@@ -19,7 +19,7 @@ KNOWN_WRONG: set[str] = set()
 
 # measured floor: pass + fallback out of the autograd-supporting OpInfos (raise it as rules
 # are added; never lower it)
-MIN_COVERED = 0.90
+MIN_COVERED = 0.93
 
 
 @pytest.fixture(scope="module")
