@@ -37,6 +37,12 @@ def test_no_op_is_wrong(results):
     assert not unexpected, f"fxad disagrees with torch.autograd on: {unexpected}"
 
 
+def test_no_jvp_is_wrong(results):
+    """Forward mode (JVP column): checked through <v, J t> = <J^T v, t> against autograd."""
+    wrong = {r.op: r.jvp_reason for r in results if r.jvp_status == "wrong"}
+    assert not wrong, f"fxad.jvp disagrees with torch.autograd on: {wrong}"
+
+
 def test_known_wrong_list_is_current(results):
     by_op = {r.op: r.status for r in results}
     fixed = [op for op in KNOWN_WRONG if op in by_op and by_op[op] != "wrong"]

@@ -71,6 +71,8 @@ class OpResult:
     reason: str = ""
     fallback_ops: set[str] = field(default_factory=set)
     seconds: float = 0.0
+    jvp_status: str = "skip"    # forward mode: pass / missing / wrong / crash / skip
+    jvp_reason: str = ""
 
 
 @dataclass
@@ -78,6 +80,8 @@ class _SampleOutcome:
     status: str                 # pass / missing / wrong / crash / skip
     reason: str = ""
     fallback_ops: set[str] = field(default_factory=set)
+    jvp_status: str = "skip"
+    jvp_reason: str = ""
 
 
 def load_op_db() -> list[Any]:
@@ -257,7 +261,46 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
         if not ok:
             return _SampleOutcome("wrong", f"cotangent of input {k} differs from autograd "
                                   f"(max err {err:.3g}, {dtype})", fb)
-    return _SampleOutcome("pass", "", fb)
+    jst, jreason = _check_jvp(fn, inputs, cots, grads, out, dtype, seed)
+    return _SampleOutcome("pass", "", fb, jst, jreason)
+
+
+def _check_jvp(fn: Callable, inputs: list, cots: list, grads: Any, out: Any,
+               dtype: torch.dtype, seed: int) -> tuple[str, str]:
+    """Forward mode: fxad.jvp with random tangents t, checked through the transpose identity
+    <cotangent, J t> = <J^T cotangent, t> against autograd's VJP (works for every op autograd
+    can reverse-differentiate, with or without forward-AD support in PyTorch)."""
+    import fxad
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    tans = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in inputs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            j = fxad.jvp(fn, *inputs)
+            _, t_out = j(*[x.clone() for x in inputs], *tans)
+    except fxad.MissingRuleError as e:
+        return "missing", f"no rule: {e.op or e.bare_message}"
+    except _Timeout:
+        raise
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).splitlines()[0] if str(e) else ""
+        return "crash", f"{type(e).__name__}: {msg}"[:200]
+    t_leaves = [t for t in pytree.tree_leaves(t_out)]
+    o_leaves = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
+    lhs = 0.0
+    it = iter(t_leaves)
+    for o, c in zip(o_leaves, cots):
+        t = next(it, None)
+        if isinstance(t, torch.Tensor):
+            lhs += float((c.double() * t.double()).sum())
+    rhs = sum(float((g.double() * t.double()).sum()) for g, t in zip(grads, tans)
+              if isinstance(g, torch.Tensor))
+    tol = 1e-6 if dtype == torch.float64 else 2e-2
+    scale = max(1.0, abs(rhs), abs(lhs))
+    if not abs(lhs - rhs) <= tol * scale:
+        return "wrong", f"<v, J t> = {lhs:.6g} but <J^T v, t> = {rhs:.6g} ({dtype})"
+    return "pass", ""
 
 
 @contextlib.contextmanager
@@ -328,6 +371,12 @@ def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, timeout: floa
         res.status = "skip"
         res.reason = outcomes[0].reason if outcomes else "no samples"
         return res
+    jvp = [o for o in outcomes if o.status == "pass"]
+    for st in ("wrong", "crash", "missing", "pass"):
+        hit = [o for o in jvp if o.jvp_status == st]
+        if hit:
+            res.jvp_status, res.jvp_reason = st, hit[0].jvp_reason
+            break
     for o in passed:
         res.fallback_ops |= o.fallback_ops
     if res.fallback_ops:
@@ -369,22 +418,35 @@ def totals(results: list[OpResult]) -> dict[str, int]:
     return t
 
 
+def jvp_totals(results: list[OpResult]) -> dict[str, int]:
+    """Forward-mode column: counts over the ops whose VJP passed."""
+    t = {s: 0 for s in ("pass", "missing", "wrong", "crash", "skip")}
+    for r in results:
+        if r.status in ("pass", "fallback"):
+            t[r.jvp_status] += 1
+    return t
+
+
 def summary_line(results: list[OpResult]) -> str:
     t = totals(results)
     n = t["total"]
     pct = 100.0 * (t["pass"] + t["fallback"]) / n if n else 0.0
+    j = jvp_totals(results)
     return (f"{t['pass']} pass / {t['fallback']} fallback / {t['missing']} missing / "
             f"{t['wrong']} wrong / {t['crash']} crash / {t['skip']} skip, out of {n} "
-            f"autograd-supporting OpInfos ({pct:.1f}% covered)")
+            f"autograd-supporting OpInfos ({pct:.1f}% covered); JVP of the covered ops: "
+            f"{j['pass']} pass / {j['missing']} missing / {j['wrong']} wrong / "
+            f"{j['crash']} crash")
 
 
 def write_report(results: list[OpResult], path: str, seconds: float | None = None) -> None:
-    rows = [(r.op, r.samples, r.status, r.reason.replace("|", "\\|").replace("\n", " "))
+    rows = [(r.op, r.samples, r.status, r.jvp_status,
+             (r.reason or r.jvp_reason).replace("|", "\\|").replace("\n", " "))
             for r in results]
     if path.endswith(".csv"):
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(("op", "samples", "status", "reason"))
+            w.writerow(("op", "samples", "status", "jvp", "reason"))
             w.writerows(rows)
         return
     buf = io.StringIO()
@@ -393,9 +455,9 @@ def write_report(results: list[OpResult], path: str, seconds: float | None = Non
     buf.write(f"**{summary_line(results)}**")
     if seconds is not None:
         buf.write(f" (sweep took {seconds:.0f} s)")
-    buf.write("\n\n| op | samples | status | reason |\n|---|---:|---|---|\n")
+    buf.write("\n\n| op | samples | status | jvp | reason |\n|---|---:|---|---|---|\n")
     for row in rows:
-        buf.write("| {} | {} | {} | {} |\n".format(*row))
+        buf.write("| {} | {} | {} | {} | {} |\n".format(*row))
     with open(path, "w") as f:
         f.write(buf.getvalue())
 
@@ -412,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     def progress(r: OpResult) -> None:
-        if a.verbose or r.status in ("wrong", "crash"):
+        if a.verbose or r.status in ("wrong", "crash") or r.jvp_status == "wrong":
             print(f"{r.op:45s} {r.status:8s} {r.seconds:6.2f}s {r.reason}", flush=True)
 
     t0 = time.perf_counter()
@@ -422,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(results, a.out, dt)
     print(summary_line(results))
     print(f"report written to {a.out} ({dt:.0f} s)")
-    return 1 if totals(results)["wrong"] else 0
+    return 1 if totals(results)["wrong"] or jvp_totals(results)["wrong"] else 0
 
 
 if __name__ == "__main__":
