@@ -145,7 +145,37 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
         a, kw = pytree.tree_unflatten(vals, spec)
         return op(*a, **kw)
 
-    return torch.func.jvp(f, prim, tans)
+    try:
+        return _jvp_by_double_vjp(f, prim, tans)
+    except RuntimeError:  # no double backward for this op: PyTorch's forward AD
+        return torch.func.jvp(f, prim, tans)
+
+
+def _jvp_by_double_vjp(f: Any, prim: tuple, tans: tuple) -> tuple:
+    """J t by transposing autograd's VJP (linear in the cotangent u):
+    J t = d/du <J^T u, t>.  Uses the same reverse-mode formulas as the VJP fallback, so the
+    two modes agree by construction."""
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_(True) for x in prim]
+        out = f(*xs)
+        outs = [o for o in pytree.tree_leaves(out) if _is_diff(o) and o.requires_grad]
+        us = [torch.zeros_like(o, requires_grad=True) for o in outs]
+        gs = torch.autograd.grad(outs, xs, us, create_graph=True, allow_unused=True)
+        if any(g is not None and not g.requires_grad for g in gs):
+            # the op's backward is not itself differentiable (a once_differentiable kernel)
+            raise RuntimeError("no double backward")
+        pairs = [(g, t) for g, t in zip(gs, tans) if g is not None]
+        if pairs:
+            jt = torch.autograd.grad([g for g, _ in pairs], us, [t for _, t in pairs],
+                                     allow_unused=True)
+        else:
+            jt = [None] * len(us)
+    it = iter(jt)
+    t_out = pytree.tree_map(
+        lambda o: ((lambda v: torch.zeros_like(o) if v is None else v)(next(it)))
+        if _is_diff(o) and o.requires_grad else (torch.zeros_like(o) if _is_diff(o) else None),
+        out)
+    return pytree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out), t_out
 
 
 def _make_rule(op: Any) -> None:
