@@ -147,8 +147,18 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
 
     try:
         return _jvp_by_double_vjp(f, prim, tans)
-    except RuntimeError:  # no double backward for this op: PyTorch's forward AD
-        return torch.func.jvp(f, prim, tans)
+    except RuntimeError as e:
+        # PyTorch's own forward AD is not used as a second resort: the OpInfo sweep found it
+        # disagreeing with autograd's reverse mode on several ops (stft, triangular_solve,
+        # chunked linear_cross_entropy), and a wrong tangent is worse than an error
+        from ..errors import RuleError
+
+        raise RuleError(
+            f"forward mode for {getattr(op, '__name__', op)} (no hand-written rule) needs "
+            f"its autograd double backward, which is unavailable: {str(e).splitlines()[0]}",
+            op=str(getattr(op, "__name__", op)),
+            hint="register a rule with a jvp: @fxad.register_vjp(op) class with fwd, bwd, "
+                 "jvp") from e
 
 
 def _jvp_by_double_vjp(f: Any, prim: tuple, tans: tuple) -> tuple:
@@ -168,6 +178,10 @@ def _jvp_by_double_vjp(f: Any, prim: tuple, tans: tuple) -> tuple:
         if pairs:
             jt = torch.autograd.grad([g for g, _ in pairs], us, [t for _, t in pairs],
                                      allow_unused=True)
+            if any(j is None for j in jt):
+                # a VJP is linear in u: one that does not depend on u means the op's double
+                # backward is not real (gradients precomputed in the forward)
+                raise RuntimeError("double backward does not reach the cotangent")
         else:
             jt = [None] * len(us)
     it = iter(jt)
