@@ -892,15 +892,25 @@ def _max_pool2d_fwd(input, kernel_size, stride, padding, dilation, ceil_mode, re
     both = F.max_pool2d_with_indices(input, kernel_size, stride, padding, dilation,
                                      ceil_mode=ceil_mode, return_indices=True)
     out, idx = both
+    if fused.enabled() and input.dim() == 4:
+        k = _pair(kernel_size, "kernel_size")
+        st = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) \
+            else _pair(stride, "stride")
+        return (both if return_indices else out), (
+            "fused", input, idx, list(k), list(st), list(_pair(padding, "padding")),
+            list(_pair(dilation, "dilation")), bool(ceil_mode))
     return (both if return_indices else out), (input.shape, idx)
 
 
 def _max_pool2d_bwd(aux, d):
-    shape, idx = aux
     if isinstance(d, tuple):
         d = d[0]
         if d is None:
             return (None,)
+    if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+        _, x, idx, k, st, pad, dil, ceil = aux
+        return (torch.ops.aten.max_pool2d_with_indices_backward(d, x, k, st, pad, dil, ceil, idx),)
+    shape, idx = aux
     flat = d.new_zeros(tuple(shape[:-2]) + (shape[-2] * shape[-1],))
     return (flat.scatter_add(-1, idx.flatten(-2), d.flatten(-2)).reshape(shape),)
 
