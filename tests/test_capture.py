@@ -185,3 +185,54 @@ def test_metadata_queries_answered_at_capture():
 
     gm = fxad.trace(f, torch.randn(3))
     assert "mul = x * 2" in gm.code and "is_floating_point" not in gm.code
+
+
+# --- ops that need special handling during capture -----------------------------------------
+
+def test_legacy_rdiv_traces_as_truediv():
+    x = torch.rand(3, dtype=torch.float64) + 0.5
+    gm = fxad.trace(lambda x: x.__rdiv__(2.0), x)
+    assert "2.0 / x" in gm.code
+    fxad.check(lambda x: x.__rdiv__(2.0), x)
+
+
+def test_meshgrid_of_a_list_is_the_public_function():
+    a, b = torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    f = lambda a, b: torch.meshgrid([a, b], indexing="xy")  # noqa: E731
+    assert "meshgrid([a, b]" in fxad.trace(f, a, b).code
+    fxad.check(f, a, b)
+
+
+def test_function_taking_a_callable_is_traced_through():
+    import torch.nn.functional as F
+    a, p, n = (torch.randn(4, 5, dtype=torch.float64) for _ in range(3))
+    f = lambda a, p, n: F.triplet_margin_with_distance_loss(  # noqa: E731
+        a, p, n, distance_function=torch.nn.PairwiseDistance())
+    code = fxad.trace(f, a, p, n).code
+    assert "pairwise_distance" in code and "triplet" not in code
+    fxad.check(f, a, p, n)
+    fxad.check(lambda a, p, n: F.triplet_margin_with_distance_loss(
+        a, p, n, distance_function=lambda x, y: (x - y).abs().sum(-1)), a, p, n)
+
+
+def test_stateful_module_made_outside_is_still_refused():
+    lin = torch.nn.Linear(3, 3)
+    with pytest.raises(fxad.CaptureError, match="not a submodule"):
+        fxad.trace(lambda x: lin(x), torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("f,shape", [
+    (lambda x: torch.cov(x), (3, 3)),
+    (lambda x: torch.corrcoef(x), (3, 3)),
+    (lambda x: torch.cov(x[0]), ()),
+    (lambda x: torch.combinations(x[0], 2), (10, 2)),
+    (lambda x: torch.combinations(x[0], 3, with_replacement=True), (35, 3)),
+    (lambda x: torch.nn.functional.gaussian_nll_loss(x, x.sin(), x.exp(), reduction="none"),
+     (3, 5)),
+])
+def test_data_checking_ops_get_their_shape_without_data(f, shape):
+    x = torch.randn(3, 5, dtype=torch.float64)
+    gm = fxad.trace(f, x)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert tuple(out.meta["val"].shape) == shape == tuple(f(x).shape)
+    fxad.check(f, x)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -274,10 +276,36 @@ def test_sdpa_unbatched_and_broadcast_mask():
                q, k, v, _rand(2, 1, 1, 5))
 
 
-def test_sdpa_dropout_raises():
-    q = _rand(2, 3, 4)
-    with pytest.raises(RuleError, match="dropout_p"):
-        fxad.vjp(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), q)
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"scale": 0.4}])
+def test_sdpa_dropout_matches_autograd_with_the_same_mask(kw):
+    q, k, v = _rand(2, 2, 3, 4), _rand(2, 2, 5, 4), _rand(2, 2, 5, 3)
+    if kw.get("is_causal"):
+        k, v = k[..., :3, :], v[..., :3, :]
+    f = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, **kw)  # noqa: E731
+    g = fxad.vjp(f, q, k, v)
+    assert "rand_like" in g.code
+    cot = _rand(2, 2, 3, 3)
+    torch.manual_seed(7)
+    out, grads = g(q, k, v, cot)[:2]
+    # the generated forward draws one rand_like over the probabilities: replay it
+    torch.manual_seed(7)
+    scale = kw.get("scale", 1 / math.sqrt(4))
+    keep = (torch.rand(2, 2, 3, k.shape[-2], dtype=DT) >= 0.3).to(DT) / 0.7
+    assert 0 < int((keep == 0).sum()) < keep.numel()
+
+    def ref(q, k, v):
+        s = q @ k.mT * scale
+        if kw.get("is_causal"):
+            s = s.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+        return (torch.softmax(s, -1) * keep) @ v
+
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = ref(*xs)
+    torch.testing.assert_close(out, want.detach())
+    for a, b in zip(grads, torch.autograd.grad(want, xs, cot)):
+        torch.testing.assert_close(a, b)
+    out2 = g(q, k, v, cot)[0]
+    assert not torch.equal(out, out2)  # a fresh mask per call
 
 
 # --- convolution and pooling ----------------------------------------------------------------

@@ -161,6 +161,10 @@ def _fallback_ops(g: Any) -> set[str]:
 def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleOutcome:
     import fxad
 
+    if float(sample.kwargs.get("dropout_p", 0.0) or 0.0) > 0.0:
+        # OpInfo seeds the call, but fxad draws its own dropout mask (same distribution), so
+        # the outputs cannot be compared; tests/test_nn_rules.py checks it with a replayed mask
+        return _SampleOutcome("skip", "random sample (dropout_p > 0)")
     leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
     if not slots:

@@ -52,6 +52,8 @@ _FUNC_TO_OPERATOR: dict[Any, Callable] = {
 _F_TO_TORCH: dict[Any, Any] = {
     F.relu: torch.relu, F.tanh: torch.tanh, F.sigmoid: torch.sigmoid,
     F.softmax: torch.softmax, F.log_softmax: torch.log_softmax,
+    # torch.meshgrid([a, b]) reaches the tracer as the C++ binding; name the public function
+    torch._C._VariableFunctions.meshgrid: torch.meshgrid,
 }
 _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
           "bfloat16": torch.bfloat16}

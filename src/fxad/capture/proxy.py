@@ -183,6 +183,10 @@ class TensorProxy(fx.Proxy):
                 )
         return fx.proxy.Attribute(self, k)
 
+    def __rdiv__(self, other: Any) -> Any:
+        # legacy ``Tensor.__rdiv__``; torch.fx maps it to a nonexistent ``operator.div``
+        return self.tracer.create_proxy("call_function", operator.truediv, (other, self), {})
+
     def __len__(self) -> int:
         v = self.meta
         if isinstance(v, torch.Tensor):
@@ -291,7 +295,10 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
     fkwargs = fx.node.map_aggregate(kwargs, _val_of)
     mode = fake_mode()
     if kind == "call_function":
+        from .shapes import OUTPUT_META
         with mode:
+            if target in OUTPUT_META:  # the op's fake execution would need data
+                return OUTPUT_META[target](*fargs, **fkwargs)
             return target(*fargs, **fkwargs)
     if kind == "call_method":
         self_v, *rest = fargs

@@ -60,6 +60,34 @@ def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
             setattr(torch, name, orig)
 
 
+def _takes_callable(target: Any, args: tuple, kwargs: dict) -> bool:
+    """A Python-level torch function (``F.triplet_margin_with_distance_loss``) called with a
+    user callable (a module or function) among its arguments: a graph node cannot hold the
+    callable, so the function's body is traced instead."""
+    if not inspect.isfunction(target):
+        return False
+    return any(callable(v) and not isinstance(v, (torch.Tensor, fx.Proxy, type))
+               for v in pytree.tree_leaves((args, kwargs)))
+
+
+_NO_OVERRIDE = {name: (lambda *a, **k: False) for name in (
+    "has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")}
+
+
+def _call_body(target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``target``'s Python body on the proxies, skipping its own ``__torch_function__``
+    dispatch (the ops inside it are still recorded one by one)."""
+    import types
+    body = types.FunctionType(target.__code__, {**target.__globals__, **_NO_OVERRIDE},
+                              target.__name__, target.__defaults__, target.__closure__)
+    body.__kwdefaults__ = target.__kwdefaults__
+    return body(*args, **kwargs)
+
+
+def _stateless(m: torch.nn.Module) -> bool:
+    return next(m.parameters(), None) is None and next(m.buffers(), None) is None
+
+
 def _has_tensor(x: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(x))
 
@@ -102,6 +130,8 @@ class CaptureTracer(fx.Tracer):
             kwargs = {**kwargs, "inplace": False}
             new = self._record(kind, target, args, kwargs, name)
             return self._rebind(args[0], new, describe_target(kind, target))
+        if kind == "call_function" and _takes_callable(target, args, kwargs):
+            return _call_body(target, args, kwargs)
         return self._record(kind, target, args, kwargs, name)
 
     # -- in-place operations -------------------------------------------------------------------
@@ -206,6 +236,11 @@ class CaptureTracer(fx.Tracer):
     # -- policies ----------------------------------------------------------------------------
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
         if in_meta_computation():  # computing a leaf module's fake output: just run it
+            return forward(*args, **kwargs)
+        if not self.is_leaf_module(m, "") and _stateless(m) \
+                and not any(mod is m for mod in self.root.modules()):
+            # a parameter-free module made outside the traced module (a distance function
+            # passed as an argument): nothing to address, so trace its forward inline
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 

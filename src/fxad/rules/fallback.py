@@ -133,8 +133,9 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
     prim = tuple(leaves[i] for i in slots)
     from ..capture.proxy import in_meta_computation
     if in_meta_computation():  # shapes only (torch.func cannot load its tables in fake mode)
+        from ..capture.shapes import OUTPUT_META
         a, kw = pytree.tree_unflatten(leaves, spec)
-        out = op(*a, **kw)
+        out = OUTPUT_META[op](*a, **kw) if op in OUTPUT_META else op(*a, **kw)
         return out, pytree.tree_map(lambda o: o.clone() if _is_diff(o) else None, out)
     tans = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(prim, tangents))
 

@@ -688,17 +688,24 @@ def _sdpa_scores(q: Any, k: Any, attn_mask: Any, is_causal: bool, scale: float) 
     return torch.softmax(s, -1)
 
 
-def _sdpa_check(q: Any, k: Any, dropout_p: float, enable_gqa: bool) -> int:
+def _sdpa_check(q: Any, k: Any, enable_gqa: bool) -> int:
     """Number of query heads per key head (1 without grouped-query attention)."""
-    op = "torch.nn.functional.scaled_dot_product_attention"
-    if dropout_p > 0.0:
-        raise _error(op, f"dropout_p={dropout_p} is not supported (the fused kernel's dropout "
-                     "mask cannot be reproduced)",
-                     "pass dropout_p=0.0 (e.g. dropout_p=self.dropout if self.training else 0.0 "
-                     "in eval mode), or apply F.dropout to the attention output instead")
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         return q.shape[-3] // k.shape[-3]
     return 1
+
+
+def _sdpa_dropout_fwd(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool,
+                      scale: Any, group: int) -> tuple[Any, Any, Any]:
+    """Attention with dropout on the probabilities, written out: ``(P * M) v`` with the
+    dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` drawn in the generated forward.
+    Returns ``(out, P, M)``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if group > 1:
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    p = _sdpa_scores(q, k, mask, is_causal, scale)
+    keep = (torch.rand_like(p) >= dropout_p).to(p.dtype) / (1.0 - dropout_p)
+    return (p * keep) @ v, p, keep
 
 
 def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
@@ -718,11 +725,20 @@ class ScaledDotProductAttention:
     d_k = dS^T q * scale; a float mask gets dS (derivatives.yaml
     `_scaled_dot_product_flash_attention` / math reference `_scaled_dot_product_attention_math`).
     ``enable_gqa``: k and v heads are repeated (repeat_interleave) and their cotangents summed
-    over each group.  ``dropout_p > 0`` raises."""
+    over each group.
+
+    ``dropout_p > 0``: the probabilities are computed in the generated forward and multiplied
+    by a dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` saved for the backward, y = (P*M) v
+    (as PyTorch's math reference does; the mask differs from the fused kernel's for the same
+    seed, with the same distribution): d_v = (P*M)^T d, dP = (d v^T) * M, then as above."""
 
     def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False):
-        _sdpa_check(query, key, dropout_p, enable_gqa)
+        group = _sdpa_check(query, key, enable_gqa)
+        if dropout_p > 0.0:
+            out, p, keep = _sdpa_dropout_fwd(query, key, value, attn_mask, dropout_p, is_causal,
+                                             scale, group)
+            return out, ("dropout", query, key, value, attn_mask, p, keep, scale, group)
         kw: dict[str, Any] = {}
         if attn_mask is not None:
             kw["attn_mask"] = attn_mask
@@ -741,20 +757,29 @@ class ScaledDotProductAttention:
         return out, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def bwd(aux, d):
-        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+        if isinstance(aux[0], str) and aux[0] == "fused":  # docs/fused_kernels.md
             _, q, k, v, out, lse, is_causal, scale = aux
             d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 d, q, k, v, out, lse, 0.0, is_causal, scale=scale)
             return d_q, d_k, d_v, None
-        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
-        group = _sdpa_check(q, k, dropout_p, enable_gqa)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        if group > 1:
-            k = k.repeat_interleave(group, -3)
-            v = v.repeat_interleave(group, -3)
-        p = _sdpa_scores(q, k, mask, is_causal, scale)
-        d_v = p.mT @ d
-        dp = d @ v.mT
+        if isinstance(aux[0], str):  # "dropout"
+            _, q, k, v, mask, p, keep, scale, group = aux
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if group > 1:
+                k = k.repeat_interleave(group, -3)
+                v = v.repeat_interleave(group, -3)
+            d_v = (p * keep).mT @ d
+            dp = (d @ v.mT) * keep
+        else:
+            q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
+            group = _sdpa_check(q, k, enable_gqa)
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if group > 1:
+                k = k.repeat_interleave(group, -3)
+                v = v.repeat_interleave(group, -3)
+            p = _sdpa_scores(q, k, mask, is_causal, scale)
+            d_v = p.mT @ d
+            dp = d @ v.mT
         ds = p * (dp - (dp * p).sum(-1, keepdim=True))
         d_q = (ds @ k) * scale
         d_k = (ds.mT @ q) * scale
@@ -767,9 +792,14 @@ class ScaledDotProductAttention:
     def jvp(primals, tangents):
         pr, t = _bound(ScaledDotProductAttention.fwd, primals, tangents)
         q, k, v, mask = pr["query"], pr["key"], pr["value"], pr["attn_mask"]
-        group = _sdpa_check(q, k, pr["dropout_p"], pr["enable_gqa"])
-        out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, pr["is_causal"],
-                                             scale=pr["scale"], enable_gqa=pr["enable_gqa"])
+        group = _sdpa_check(q, k, pr["enable_gqa"])
+        keep = None
+        if pr["dropout_p"] > 0.0:
+            out, _, keep = _sdpa_dropout_fwd(q, k, v, mask, pr["dropout_p"], pr["is_causal"],
+                                             pr["scale"], group)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, pr["is_causal"],
+                                                 scale=pr["scale"], enable_gqa=pr["enable_gqa"])
         scale = 1.0 / math.sqrt(q.shape[-1]) if pr["scale"] is None else pr["scale"]
         tk, tv = t["key"], t["value"]
         if group > 1:
@@ -784,11 +814,13 @@ class ScaledDotProductAttention:
             ts = _add(ts, (q @ tk.mT) * scale)
         if t["attn_mask"] is not None:
             ts = _add(ts, t["attn_mask"])
+        pk = p if keep is None else p * keep
         t_out = None
         if ts is not None:
-            t_out = (p * (ts - (ts * p).sum(-1, keepdim=True))) @ v
+            tp = p * (ts - (ts * p).sum(-1, keepdim=True))
+            t_out = (tp if keep is None else tp * keep) @ v
         if tv is not None:
-            t_out = _add(t_out, p @ tv)
+            t_out = _add(t_out, pk @ tv)
         return out, t_out
 
     def samples(dtype):

@@ -1,0 +1,80 @@
+"""Output metadata for ops whose fake-tensor execution needs data.
+
+Capture learns every op's result shape by running it on fake tensors.  A few ops answer a
+question about the *values* while computing (``torch.cov`` checks its weights with
+``torch.equal``, ``torch.combinations`` builds its result with ``masked_select``,
+``F.gaussian_nll_loss`` checks ``var >= 0``), although their result's shape depends on the
+input shapes alone.  For those this module gives the shape and dtype directly, as a
+documented function of the arguments; the op itself still runs on real data in the generated
+code.  Ops whose result shape truly depends on values (``masked_select``, ``nonzero``) are not
+listed: capture refuses them with a clear error.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _float_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if (x.is_floating_point() or x.is_complex()) else torch.get_default_dtype()
+
+
+def _cov_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """cov/corrcoef of ``(vars, obs)`` → ``(vars, vars)``; a 1-D input or a single variable
+    gives a 0-d result."""
+    if input.dim() > 2:
+        raise RuntimeError(f"cov(): expected input to have two or fewer dimensions but got "
+                           f"an input with {input.dim()} dimensions")
+    n = 1 if input.dim() < 2 else input.shape[0]
+    shape = () if n == 1 else (n, n)
+    return torch.empty(shape, dtype=_float_dtype(input), device=input.device)
+
+
+def _combinations(input: torch.Tensor, r: int = 2, with_replacement: bool = False) -> torch.Tensor:
+    """combinations of a 1-D input of length n: ``(C(n, r), r)`` rows, ``C(n + r - 1, r)`` with
+    replacement; ``r == 0`` gives an empty 1-D tensor."""
+    if input.dim() != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(input.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return torch.empty((0,), dtype=input.dtype, device=input.device)
+    n = input.shape[0]
+    rows = math.comb(n + r - 1, r) if with_replacement else math.comb(n, r)
+    if n == 0:
+        rows = 0
+    return torch.empty((rows, r), dtype=input.dtype, device=input.device)
+
+
+def _reduced(shape: tuple, reduction: str, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return torch.empty(shape if reduction == "none" else (), dtype=dtype, device=device)
+
+
+def _gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: Any, full: bool = False,
+                       eps: float = 1e-6, reduction: str = "mean") -> torch.Tensor:
+    """gaussian_nll_loss: elementwise over ``broadcast(input, target)`` before reduction."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    dtype = torch.result_type(input, target)
+    return _reduced(tuple(shape), reduction, dtype, input.device)
+
+
+def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any,
+              target_lengths: Any, blank: int = 0, reduction: str = "mean",
+              zero_infinity: bool = False) -> torch.Tensor:
+    """ctc_loss of ``(T, N, C)`` log-probabilities: ``(N,)`` losses (``()`` unbatched)."""
+    shape = (log_probs.shape[1],) if log_probs.dim() == 3 else ()
+    return _reduced(shape, reduction, log_probs.dtype, log_probs.device)
+
+
+OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.cov: _cov_like,
+    torch.corrcoef: _cov_like,
+    torch.combinations: _combinations,
+    F.gaussian_nll_loss: _gaussian_nll_loss,
+    F.ctc_loss: _ctc_loss,
+}
