@@ -3,7 +3,7 @@
 Capture learns every op's result shape by running it on fake tensors.  A few ops answer a
 question about the *values* while computing (``torch.cov`` checks its weights with
 ``torch.equal``, ``torch.combinations`` builds its result with ``masked_select``,
-``F.gaussian_nll_loss`` checks ``var >= 0``), although their result's shape depends on the
+``F.gaussian_nll_loss`` checks ``var >= 0``, ``torch.narrow`` reads a tensor ``start``), although their result's shape depends on the
 input shapes alone.  For those this module gives the shape and dtype directly, as a
 documented function of the arguments; the op itself still runs on real data in the generated
 code.  Ops whose result shape truly depends on values (``masked_select``, ``nonzero``) are not
@@ -71,10 +71,20 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any
     return _reduced(shape, reduction, log_probs.dtype, log_probs.device)
 
 
+def _narrow(input: torch.Tensor, dim: int, start: Any, length: int) -> torch.Tensor:
+    """narrow with a 0-d tensor ``start``: the result's shape depends on ``length`` only."""
+    if not isinstance(start, torch.Tensor):
+        return torch.narrow(input, dim, start, length)
+    shape = list(input.shape)
+    shape[dim] = length
+    return torch.empty(shape, dtype=input.dtype, device=input.device)
+
+
 OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
     torch.cov: _cov_like,
     torch.corrcoef: _cov_like,
     torch.combinations: _combinations,
     F.gaussian_nll_loss: _gaussian_nll_loss,
     F.ctc_loss: _ctc_loss,
+    torch.narrow: _narrow,
 }

@@ -33,13 +33,18 @@ def _pieces(out: Any, d: Any) -> list:
 @builtin(torch.narrow)
 class Narrow:
     """narrow(x, dim, start, length): d_x = slice_scatter(zeros, d, dim, start, start + length)
-    (derivatives.yaml `narrow` via `slice`: slice_backward)."""
+    (derivatives.yaml `narrow` via `slice`: slice_backward).  A 0-d tensor ``start`` (read at
+    run time): d_x = index_add(zeros, dim, (arange(length) + start) mod size, d)."""
 
     def fwd(input, dim, start, length):
         return torch.narrow(input, dim, start, length), (input, dim, start, length)
 
     def bwd(aux, d):
         x, dim, start, length = aux
+        if not isinstance(start, int):  # a tensor (a proxy while the backward is built)
+            size = x.shape[dim]
+            idx = torch.remainder(torch.arange(length, device=x.device) + start, size)
+            return (torch.index_add(torch.zeros_like(x), dim, idx, d), None)
         start = start % x.shape[dim] if start < 0 else start
         return (torch.slice_scatter(torch.zeros_like(x), d, dim, start, start + length),)
 
@@ -52,6 +57,8 @@ class Narrow:
     def samples(dtype):
         yield (randn(4, 5, dtype=dtype), 1, 1, 3), {}
         yield (randn(4, 5, dtype=dtype), 0, -2, 2), {}
+        yield (randn(4, 5, dtype=dtype), 1, torch.tensor(2), 3), {}
+        yield (randn(4, 5, dtype=dtype), -1, torch.tensor(-3), 2), {}
 
 
 @builtin(torch.narrow_copy)
