@@ -236,3 +236,19 @@ def test_data_checking_ops_get_their_shape_without_data(f, shape):
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     assert tuple(out.meta["val"].shape) == shape == tuple(f(x).shape)
     fxad.check(f, x)
+
+
+def test_function_closing_over_a_module_treats_its_parameters_as_constants():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    f = lambda x: m(x).pow(2).sum()  # noqa: E731
+    g = fxad.grad(f, x)
+    assert "sequential_0_weight" in g.code
+    value, (d_x,) = g(x)
+    xr = x.clone().requires_grad_()
+    want = torch.autograd.grad(f(xr), xr)[0]
+    torch.testing.assert_close(d_x, want)
+    H = fxad.hessian(f, x)(x)
+    torch.testing.assert_close(H, torch.func.hessian(f)(x))
+    assert not hasattr(m, "sequential")  # the user's module is left alone

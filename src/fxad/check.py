@@ -61,7 +61,8 @@ def _cast(x: Any, dtype: torch.dtype | None) -> Any:
 
 
 def _float_leaves(x: Any) -> list[torch.Tensor]:
-    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)
+            and (v.is_floating_point() or v.is_complex())]
 
 
 def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None = torch.float64,
@@ -120,7 +121,8 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
     else:
         it = iter(cot_leaves)
         cot_arg = pytree.tree_map(lambda o: next(it) if isinstance(o, torch.Tensor)
-                                  and o.is_floating_point() else None, out_ref)
+                                  and (o.is_floating_point() or o.is_complex()) else None,
+                                  out_ref)
     result = g(*xs, cot_arg)
     restore()
     out_fx, in_grads = result[0], result[1]
@@ -188,7 +190,12 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
             for (_, p), u in zip(params, dirs[len(diff_inputs):]):
                 p.sub_(h * u)
         restore()
-        return sum(float((o * c).sum()) for o, c in zip(_float_leaves(out), cot_leaves))
+        # outputs autograd does not differentiate (saved statistics of native_layer_norm...)
+        # are left out of the directional derivative, as they are of the autograd reference
+        # real inner product <c, o> = Re(sum conj(c) o) (PyTorch's convention for complex
+        # outputs)
+        return sum(float(torch.real(torch.sum(torch.conj(c) * o)))
+                   for o, c, r in zip(_float_leaves(out), cot_leaves, outs) if r.requires_grad)
 
     fd = (shifted(fd_eps) - shifted(-fd_eps)) / (2 * fd_eps)
     rel = abs(analytic - fd) / max(1.0, abs(fd))

@@ -80,6 +80,17 @@ def _narrow(input: torch.Tensor, dim: int, start: Any, length: int) -> torch.Ten
     return torch.empty(shape, dtype=input.dtype, device=input.device)
 
 
+def _unbatched_loss(op: Callable) -> Callable[..., torch.Tensor]:
+    """multi_margin_loss / multilabel_margin_loss of unbatched ``(C,)`` scores with
+    ``reduction='none'``: PyTorch's fake kernels say ``(1,)``, eager says ``()``."""
+
+    def meta(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = op(input, *args, **kwargs)
+        return out.reshape(()) if input.dim() == 1 and out.dim() == 1 else out
+
+    return meta
+
+
 OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
     torch.cov: _cov_like,
     torch.corrcoef: _cov_like,
@@ -87,4 +98,6 @@ OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
     F.gaussian_nll_loss: _gaussian_nll_loss,
     F.ctc_loss: _ctc_loss,
     torch.narrow: _narrow,
+    F.multi_margin_loss: _unbatched_loss(F.multi_margin_loss),
+    F.multilabel_margin_loss: _unbatched_loss(F.multilabel_margin_loss),
 }

@@ -103,6 +103,9 @@ class CaptureTracer(fx.Tracer):
         self.record_stack_traces = False
         self.input_names: list[str] = []
         self.mutations: list[tuple[fx.Node, fx.Node, str, SourceLoc | None]] = []
+        # set by capture(): the root is fxad's own empty module (f is a plain function), so
+        # modules the function closes over can be attached to it under fresh names
+        self.function_root = False
 
     # -- proxies ---------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> TensorProxy:
@@ -248,6 +251,16 @@ class CaptureTracer(fx.Tracer):
         try:
             return super().path_of_module(mod)
         except NameError:
+            if self.function_root:
+                # a module the traced function closes over (``lambda x: model(x).sum()``):
+                # attach it to the graph's root; its parameters are constants of the function
+                base = type(mod).__name__.lower() or "module"
+                name, k = base, 1
+                while hasattr(self.root, name):
+                    name, k = f"{base}_{k}", k + 1
+                self.root.add_module(name, mod)
+                self.submodule_paths = None
+                return name
             raise CaptureError(
                 f"the {type(mod).__name__} module called here is not a submodule of the traced "
                 "module (it was created inside the traced code or belongs to another object), "
@@ -411,6 +424,7 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     elif callable(f):
         root = torch.nn.Module()
         name = getattr(f, "__name__", "f")
+        tracer.function_root = True
     else:
         raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
     try:

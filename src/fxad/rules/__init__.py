@@ -11,6 +11,7 @@ The rule contract is stated once, in :mod:`fxad.rules.registry`.  Where to find 
 from . import elementwise, linalg, nn, reductions, shape  # noqa: F401  (registers the rules)
 from . import extra_math, extra_linalg, extra_shape, extra_nn  # noqa: F401,E402
 from . import extra_reductions, extra_shape2  # noqa: F401,E402
+from . import extra_fft, extra_decomp, extra_pool, extra_index, extra_nn2  # noqa: F401,E402
 from . import fallback  # noqa: F401,E402  (last: only ops without a hand-written rule)
 from .registry import Rule, all_rules, lookup, register_vjp, unregister
 

@@ -950,11 +950,12 @@ def _max_pool2d_bwd(aux, d):
 def _max_pool2d_jvp(fwd, primals, tangents, both=False):
     """t_y = t gathered at the argmax indices; a tuple value gets the tangent (t_y, None)."""
     p, t = _bound(fwd, primals, tangents)
-    out, idx = F.max_pool2d_with_indices(p["input"], p["kernel_size"], p["stride"],
-                                         p["padding"], p["dilation"], p["ceil_mode"], True)
+    res = F.max_pool2d_with_indices(p["input"], p["kernel_size"], p["stride"],
+                                    p["padding"], p["dilation"], p["ceil_mode"], True)
+    out, idx = res[0], res[1]
     t_out = t["input"].flatten(-2).gather(-1, idx.flatten(-2)).reshape(out.shape)
-    if both or p["return_indices"]:
-        return (out, idx), (t_out, None)
+    if both or p["return_indices"]:  # the op's own tuple result (a node, not a Python tuple)
+        return res, (t_out, None)
     return out, t_out
 
 
