@@ -215,10 +215,15 @@ def test_function_taking_a_callable_is_traced_through():
         a, p, n, distance_function=lambda x, y: (x - y).abs().sum(-1)), a, p, n)
 
 
-def test_stateful_module_made_outside_is_still_refused():
+def test_module_calling_a_foreign_stateful_module_is_refused():
     lin = torch.nn.Linear(3, 3)
+
+    class Outer(nn.Module):
+        def forward(self, x):
+            return lin(x)  # its parameters are not Outer's: their gradients have no key
+
     with pytest.raises(fxad.CaptureError, match="not a submodule"):
-        fxad.trace(lambda x: lin(x), torch.randn(2, 3))
+        fxad.trace(Outer(), torch.randn(2, 3))
 
 
 @pytest.mark.parametrize("f,shape", [

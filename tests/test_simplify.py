@@ -123,3 +123,14 @@ def test_permute_pairs_compose():
     g = _graph(lambda x: torch.permute(torch.permute(x, (2, 0, 1)), (1, 2, 0)), (2, 3, 4))
     simplify(g)
     assert _code(g) == "return x0"
+
+
+def test_contiguous_dropped_only_when_strides_already_are():
+    g = _graph(lambda x: (x * 2).contiguous(), (2, 3))               # fresh result: drop
+    fold_shapes(g)
+    dce(g)
+    assert "contiguous" not in _code(g)
+    g = _graph(lambda x: torch.transpose(x, 0, 1).contiguous(), (2, 3))  # a view: keep
+    fold_shapes(g)
+    dce(g)
+    assert "contiguous" in _code(g)

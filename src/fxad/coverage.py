@@ -148,12 +148,14 @@ def _fallback_ops(g: Any) -> set[str]:
     fwd = g.meta.get("fxad_forward")
     if fwd is None:
         return set()
+    from .rules.complex import select
+    from .rules.registry import lookup, op_name
     out = set()
     for n in fwd.graph.nodes:
         if n.op in ("call_function", "call_method"):
             key = rule_key(fwd, n)
-            if fallback.is_fallback(key):
-                from .rules.registry import op_name
+            rule = select(key, lookup(key), n)  # complex values: maybe the fallback
+            if rule is not None and rule.source == fallback.FALLBACK_SOURCE:
                 out.add(op_name(key))
     return out
 
@@ -338,9 +340,9 @@ def _time_limit(seconds: float) -> Iterable[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, timeout: float = 20.0,
-           max_numel: int = 20_000) -> OpResult:
-    """Run the sweep for one OpInfo entry."""
+def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, c128_samples: int = 0,
+           timeout: float = 20.0, max_numel: int = 20_000) -> OpResult:
+    """Run the sweep for one OpInfo entry (``c128_samples``: complex128 samples too)."""
     label = op_label(op)
     res = OpResult(label)
     t0 = time.perf_counter()
@@ -350,7 +352,8 @@ def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, timeout: floa
     outcomes: list[_SampleOutcome] = []
     try:
         with _time_limit(timeout):
-            for dtype, count in ((torch.float64, max_samples), (torch.float32, f32_samples)):
+            for dtype, count in ((torch.float64, max_samples), (torch.float32, f32_samples),
+                                 (torch.complex128, c128_samples)):
                 if count <= 0 or dtype not in op.supported_dtypes("cpu"):
                     continue
                 torch.manual_seed(0)
@@ -405,7 +408,7 @@ def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, timeout: floa
 
 
 def sweep(names: Iterable[str] | None = None, *, max_samples: int = 3, f32_samples: int = 1,
-          timeout: float = 20.0, progress: Callable[[OpResult], None] | None = None,
+          c128_samples: int = 0, timeout: float = 20.0, progress: Callable[[OpResult], None] | None = None,
           ) -> list[OpResult]:
     """Run the sweep over all autograd-supporting OpInfos (or those named in ``names``,
     matched against ``name`` or ``name.variant``)."""
@@ -418,7 +421,8 @@ def sweep(names: Iterable[str] | None = None, *, max_samples: int = 3, f32_sampl
     results = []
     try:
         for op in ops:
-            r = run_op(op, max_samples=max_samples, f32_samples=f32_samples, timeout=timeout)
+            r = run_op(op, max_samples=max_samples, f32_samples=f32_samples,
+                       c128_samples=c128_samples, timeout=timeout)
             results.append(r)
             if progress is not None:
                 progress(r)
@@ -487,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", nargs="*", help="only these OpInfo names")
     p.add_argument("--max-samples", type=int, default=3, help="float64 samples per op")
     p.add_argument("--f32-samples", type=int, default=1, help="float32 samples per op")
+    p.add_argument("--c128-samples", type=int, default=0,
+                   help="complex128 samples per op (where the op supports complex)")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds per op")
     p.add_argument("-v", "--verbose", action="store_true", help="print every op")
     a = p.parse_args(argv)
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     results = sweep(a.ops, max_samples=a.max_samples, f32_samples=a.f32_samples,
-                    timeout=a.timeout, progress=progress)
+                    c128_samples=a.c128_samples, timeout=a.timeout, progress=progress)
     dt = time.perf_counter() - t0
     write_report(results, a.out, dt)
     print(summary_line(results))

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..rules.complex import select as complex_select
 from ..capture.proxy import Emitter
 from ..errors import RuleError
 from ..rules.registry import Rule, lookup, missing_rule
@@ -205,7 +206,8 @@ class ForwardTransform:
                 t = _fit(_index(self.tan.get(parent), key), node.meta.get("val"), desc)
             self._set_tangent(node, t)
             return
-        rule = lookup(rule_key(gm, node))
+        key = rule_key(gm, node)
+        rule = complex_select(key, lookup(key), node)
         if rule is None:
             raise missing_rule(desc, node.meta.get("fxad_loc"), module=node.op == "call_module")
         args = self._load(node.args)

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..rules.complex import select as complex_select
 from ..capture.proxy import Emitter, TensorProxy, describe_target, fetch_attr
 from ..errors import FxadError, RuleError
 from ..rules.registry import _NEEDED, Rule, lookup, missing_rule
@@ -186,7 +187,7 @@ class ReverseTransform:
             self.tape.append(TapeEntry(node, None, None, None, (node.args[0], node.args[1])))
             return
         key = rule_key(gm, node)
-        rule = lookup(key)
+        rule = complex_select(key, lookup(key), node)
         if rule is None:
             raise missing_rule(node_desc(gm, node), node.meta.get("fxad_loc"),
                                module=node.op == "call_module")

@@ -129,6 +129,9 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             fields = getattr(type(v), "_fields", None) or _structseq_fields(v)
             if fields and args[1] in fields:
                 return (op, operator.getitem, (args[0], fields.index(args[1])), {})
+            if isinstance(v, torch.Tensor) and args[1] in ("real", "imag"):
+                # `z.real` / `z.imag`: the torch functions (views of a complex tensor)
+                return (op, getattr(torch, args[1]), (args[0],), {})
             return None
         if t in _FUNC_TO_OPERATOR:
             if t in (torch.div, torch.Tensor.div) and kwargs.get("rounding_mode") is not None:

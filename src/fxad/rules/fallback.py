@@ -60,7 +60,22 @@ def _proxy_in(*trees: Any) -> torch.fx.Proxy | None:
 
 
 def _resolve(op: Any) -> Any:
-    return _BY_NAME[op] if isinstance(op, str) else op
+    if not isinstance(op, str):
+        return op
+    if op in _BY_NAME:
+        return _BY_NAME[op]
+    # generated code run in a fresh interpreter (``to_folder``) names an op whose fallback
+    # was built on demand: ``operator.mul``, ``torch.nn.functional.linear``, ``expand``
+    import importlib
+    import operator  # noqa: F401  (importable by name below)
+
+    parts = op.split(".")
+    if len(parts) == 1:
+        return getattr(torch.Tensor, op)
+    obj: Any = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    return obj
 
 
 def autograd_vjp(op: Any, args: tuple, kwargs: dict, d_out: Any) -> tuple:
@@ -194,11 +209,36 @@ def _jvp_by_double_vjp(f: Any, prim: tuple, tans: tuple) -> tuple:
 
 
 def _make_rule(op: Any) -> None:
+    fwd, bwd, jvp = _build(op)
+    add_rule(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
+    _FALLBACK_OPS.add(op)
+
+
+_COMPLEX_RULES: dict[Any, Any] = {}
+
+
+def complex_rule(op: Any) -> Any:
+    """The autograd-fallback :class:`~fxad.rules.registry.Rule` for ``op``, used in place of a
+    hand-written rule not verified for complex tensors when a node carries complex values
+    (see :mod:`fxad.rules.complex`).  Not registered: hand-written rules keep serving real
+    tensors."""
+    if op not in _COMPLEX_RULES:
+        from .registry import Rule, _validate
+
+        fwd, bwd, jvp = _build(op)
+        _COMPLEX_RULES[op] = Rule(op=op, fwd=fwd, bwd=bwd, jvp=jvp, source=FALLBACK_SOURCE,
+                                  params=_validate(op, fwd, bwd), builtin=True)
+    return _COMPLEX_RULES[op]
+
+
+def _build(op: Any) -> tuple[Any, Any, Any]:
     from .registry import op_name
 
     from ..codegen import public_spelling
 
     name = op_name(op)
+    if isinstance(op, str):  # a Tensor method kept as a method call (``x.expand(...)``)
+        op = getattr(torch.Tensor, op)
     _BY_NAME[name] = op
     _BY_NAME[public_spelling(name)] = op  # how generated code spells it
     method = getattr(torch.Tensor, getattr(op, "__name__", ""), None) is op
@@ -241,8 +281,7 @@ def _make_rule(op: Any) -> None:
         res = autograd_jvp(name, args, kwargs, tuple(tans))
         return res[0], res[1]
 
-    add_rule(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
-    _FALLBACK_OPS.add(op)
+    return fwd, bwd, jvp
 
 
 def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,

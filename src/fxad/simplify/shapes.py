@@ -1,7 +1,7 @@
 """Redundant shape-op folding.
 
 * no-ops: ``reshape``/``expand``/``sum_to_size`` to the same shape, ``.to`` the same dtype,
-  ``contiguous`` of a fresh result;
+  ``contiguous`` of an input whose (fake) strides are already contiguous;
 * inverse pairs: ``transpose(transpose(x))``, ``t(t(x))``, ``squeeze(unsqueeze(x, d), d)``,
   ``permute(permute(x, p), q)``, ``reshape(reshape(x, a), b)`` → ``reshape(x, b)``;
 * an ``expand`` consumed by broadcasting arithmetic is dropped (``d.expand(s) * y`` →
@@ -45,8 +45,10 @@ def _noop(node: fx.Node) -> bool:
     x = node.args[0] if node.args else None
     if not isinstance(x, fx.Node) or not same_type(val(node), val(x)):
         return False
-    if _is(node, torch.reshape) or _is(node, "expand") or _is(node, "sum_to_size") \
-            or _is(node, "contiguous"):
+    if _is(node, "contiguous"):  # strides matter to view ops (view, view_as_complex)
+        v = val(x)
+        return not node.kwargs and isinstance(v, torch.Tensor) and v.is_contiguous()
+    if _is(node, torch.reshape) or _is(node, "expand") or _is(node, "sum_to_size"):
         return not node.kwargs
     if _is(node, "to"):
         return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs
