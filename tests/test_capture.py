@@ -257,3 +257,23 @@ def test_function_closing_over_a_module_treats_its_parameters_as_constants():
     H = fxad.hessian(f, x)(x)
     torch.testing.assert_close(H, torch.func.hessian(f)(x))
     assert not hasattr(m, "sequential")  # the user's module is left alone
+
+
+def test_multihead_attention_module_is_traced_through_to_ops_with_rules():
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    f = lambda x: m(x, x, x, need_weights=False)[0]  # noqa: E731
+    code = fxad.vjp(f, x).code
+    assert "multi_head_attention_forward" not in code and "autograd_vjp" not in code
+    fxad.check(f, x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0].sum()
+
+    fxad.check(Block().double(), x)

@@ -60,12 +60,26 @@ def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
             setattr(torch, name, orig)
 
 
+def _trace_through_functional() -> set:
+    import torch.nn.functional as F
+    # composites of ops that have rules, whose single-node form would need a fallback
+    return {F.multi_head_attention_forward}
+
+
+_TRACE_THROUGH: set = set()
+
+
 def _takes_callable(target: Any, args: tuple, kwargs: dict) -> bool:
     """A Python-level torch function (``F.triplet_margin_with_distance_loss``) called with a
     user callable (a module or function) among its arguments: a graph node cannot hold the
-    callable, so the function's body is traced instead."""
+    callable, so the function's body is traced instead.  So is ``F.multi_head_attention_forward``
+    (a composite of ops with rules)."""
     if not inspect.isfunction(target):
         return False
+    if not _TRACE_THROUGH:
+        _TRACE_THROUGH.update(_trace_through_functional())
+    if target in _TRACE_THROUGH:
+        return True
     return any(callable(v) and not isinstance(v, (torch.Tensor, fx.Proxy, type))
                for v in pytree.tree_leaves((args, kwargs)))
 

@@ -23,6 +23,15 @@ import torch.nn.functional as F
 _COUNTER = re.compile(r"# COUNTER: (\d+)")
 _PRIVATE_NN = re.compile(r"\btorch\._C\._nn\.(\w+)\b")
 _PRIVATE_VAR = re.compile(r"\btorch\._C\._VariableFunctions\.(\w+)\b")
+# torch.fft.rfft is the binding torch._C._fft.fft_rfft (likewise linalg, special)
+_PRIVATE_NS = re.compile(r"\btorch\._C\._(fft|linalg|special)\.(?:fft|linalg|special)_(\w+)\b")
+
+
+def _public_ns(m: re.Match) -> str:
+    ns, name = m.group(1), m.group(2)
+    if hasattr(getattr(torch, ns), name):
+        return f"torch.{ns}.{name}"
+    return m.group(0)
 
 
 def _public_name(m: re.Match) -> str:
@@ -36,6 +45,7 @@ def public_spelling(line: str) -> str:
     """Rewrite private module paths of public functions in one line of generated code."""
     line = _PRIVATE_NN.sub(_public_name, line)
     line = _PRIVATE_VAR.sub(lambda m: f"torch.{m.group(1)}", line)
+    line = _PRIVATE_NS.sub(_public_ns, line)
     return line.replace("torch.functional.", "torch.")
 
 

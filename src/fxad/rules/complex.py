@@ -49,6 +49,7 @@ VERIFIED: frozenset[str] = frozenset({
     'torch.chunk',
     'torch.clone',
     'torch.column_stack',
+    'torch.complex',
     'torch.concat',
     'torch.concatenate',
     'torch.conj',
@@ -78,9 +79,15 @@ VERIFIED: frozenset[str] = frozenset({
     'torch.fft.ifft2',
     'torch.fft.ifftn',
     'torch.fft.ifftshift',
+    'torch.fft.ihfft',
+    'torch.fft.ihfft2',
+    'torch.fft.ihfftn',
     'torch.fft.irfft',
     'torch.fft.irfft2',
     'torch.fft.irfftn',
+    'torch.fft.rfft',
+    'torch.fft.rfft2',
+    'torch.fft.rfftn',
     'torch.fill',
     'torch.flatten',
     'torch.flip',
@@ -129,6 +136,7 @@ VERIFIED: frozenset[str] = frozenset({
     'torch.permute_copy',
     'torch.pixel_shuffle',
     'torch.pixel_unshuffle',
+    'torch.polar',
     'torch.positive',
     'torch.pow',
     'torch.put',
@@ -170,6 +178,7 @@ VERIFIED: frozenset[str] = frozenset({
     'torch.unsafe_split',
     'torch.unsqueeze',
     'torch.unsqueeze_copy',
+    'torch.view_as_complex',
     'torch.view_copy',
     'torch.vsplit',
     'torch.vstack',
@@ -232,11 +241,16 @@ def check_rule(op: Any, rule: Any) -> str:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     ran = 0
+    cases = []
     for args, kwargs in rule.samples(torch.float64):
-        args = pytree.tree_map(lambda v: _complexify(v, gen), args)
-        kwargs = pytree.tree_map(lambda v: _complexify(v, gen), kwargs)
+        # complex inputs, and the real sample itself (an op such as rfft makes complex
+        # outputs from real inputs)
+        cases.append((pytree.tree_map(lambda v: _complexify(v, gen), (args, kwargs)), False))
+        cases.append(((args, kwargs), True))
+    for (args, kwargs), real_in in cases:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.is_complex()]
+        slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)
+                 and (v.is_complex() or (real_in and v.is_floating_point()))]
         if not slots:
             continue
 
@@ -255,8 +269,8 @@ def check_rule(op: Any, rule: Any) -> str:
             out = fn(*xs)
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)
                     and (o.is_floating_point() or o.is_complex()) and o.requires_grad]
-            if not outs:
-                continue
+            if not outs or (real_in and not _has_complex(outs)):
+                continue  # a real sample only matters here when it makes complex values
             cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
             want = torch.autograd.grad(outs, xs, cots, allow_unused=True)
         except Exception:  # noqa: BLE001  autograd or the op refuses complex input
