@@ -102,9 +102,10 @@ class DemoResult:
 
 
 def build_grad(model: torch.nn.Module, *example_inputs: Any) -> tuple[fx.GraphModule, float]:
-    """``fxad.grad(model, *example_inputs)`` with demo provenance; returns (graph, seconds)."""
+    """``fxad.grad(model, *example_inputs, argnums=())`` (parameter gradients only, as a
+    training step needs) with demo provenance; returns (graph, seconds)."""
     t0 = time.perf_counter()
-    g = fxad.grad(model, *example_inputs)
+    g = fxad.grad(model, *example_inputs, argnums=())
     return g, time.perf_counter() - t0
 
 
@@ -445,7 +446,7 @@ def _run_demo(cfg: DemoConfig, out: TextIO, progress: bool) -> DemoResult:
         m_time, g_time = model_fx, g
         if cfg.dtype != torch.float32:  # time the float32 model, as one would train it
             m_time = copy.deepcopy(model_fx).float()
-            g_time = fxad.grad(m_time, *batches[0])
+            g_time = fxad.grad(m_time, *batches[0], argnums=())
         t_fx, t_ag = time_steps(m_time, g_time, batches[0], cfg.timing_reps)
         say(f"forward+backward (float32), median of {cfg.timing_reps} (interleaved): fxad "
             f"{t_fx * 1e3:.2f} ms, autograd {t_ag * 1e3:.2f} ms -> autograd/fxad = "
