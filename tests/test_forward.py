@@ -242,6 +242,30 @@ def test_jacobians_match_torch_func():
     _close(fxad.jacrev(mlp_loss, *xs, argnums=2)(*xs), torch.func.jacrev(mlp_loss, argnums=2)(*xs))
 
 
+def test_higher_order_of_modules_is_with_respect_to_inputs():
+    """A module given to jacrev/jacfwd/hessian/hvp is a function of its inputs; its
+    parameters are constants (as torch.func.jacrev(model) treats them)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    _close(fxad.jacrev(m, x)(x), torch.func.jacrev(m)(x))
+    _close(fxad.jacfwd(m, x)(x), torch.func.jacfwd(m)(x))
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x).pow(2).sum()
+
+    loss = Loss()
+    _close(fxad.hessian(loss, x)(x), torch.func.hessian(loss)(x))
+    v = torch.randn_like(x)
+    _close(fxad.hvp(loss, x)(x, v)[1][0], torch.func.jvp(torch.func.grad(loss), (x,), (v,))[1])
+    assert not hasattr(loss, "loss")  # the user's module is left as it was
+
+
 def test_hessian_mlp_matches_torch_func():
     xs = _mlp_inputs()
     H = fxad.hessian(mlp_loss, *xs, argnums=(0, 1, 2, 3))(*xs)

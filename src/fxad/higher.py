@@ -215,11 +215,22 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
                       argnums=argnums)
 
 
-def _function_only(f: Any, what: str) -> None:
+def _function_only(f: Any, what: str) -> Any:
+    """``f`` itself, or for an ``nn.Module`` a function of its inputs that calls it: its
+    parameters and buffers are constants of the derivative (as ``torch.func.jacrev(model)``
+    treats them).  For derivatives with respect to parameters, write a function of them."""
     if isinstance(f, torch.nn.Module) and not isinstance(f, fx.GraphModule):
-        raise InputError(f"fxad.{what} takes a function of tensors; for a module, write a "
-                         "function of its parameters (e.g. lambda w, b, x: ...) or use "
-                         "fxad.jvp / fxad.vjp on the module")
+        import inspect
+
+        mod = f
+
+        def of_inputs(*xs: Any) -> Any:
+            return mod(*xs)
+
+        of_inputs.__signature__ = inspect.signature(mod.forward)  # type: ignore[attr-defined]
+        of_inputs.__name__ = type(mod).__name__
+        return of_inputs
+    return f
 
 
 def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None = None,
@@ -227,12 +238,15 @@ def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None =
     """Hessian-vector product of a scalar-valued ``f``, forward-over-reverse: the generated
     JVP of the generated gradient code (:func:`fxad.grad`).
 
+    ``f`` may be an ``nn.Module``: derivatives are then with respect to its inputs, its
+    parameters being constants (as ``torch.func.jacrev(model)`` treats them).
+
     Returns:
         :class:`JVPModule` ``h``: ``h(*inputs, *tangents)`` returns ``(grads, hvps)``, both
         tuples with one entry per input (``None`` for inputs that are not differentiated);
         ``hvps[i] = Σ_j ∂²f/∂x_i∂x_j · tangents[j]``.
     """
-    _function_only(f, "hvp")
+    f = _function_only(f, "hvp")
     from .rules.fused import fused_kernels
     with fused_kernels(False):  # the gradient code is differentiated again: no fused kernels
         g = grad(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules,
@@ -289,6 +303,9 @@ def jacrev(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     """Jacobian of a tensor-valued ``f`` by reverse mode: the generated VJP (:func:`fxad.vjp`)
     vmapped over the basis of the output space.
 
+    ``f`` may be an ``nn.Module``: derivatives are then with respect to its inputs, its
+    parameters being constants (as ``torch.func.jacrev(model)`` treats them).
+
     Returns:
         :class:`BatchedDerivative` ``J``; ``J(*inputs)`` has shape ``out.shape + x.shape`` for
         ``argnums`` an int (a pytree like ``x`` for a pytree input), a tuple over ``argnums``
@@ -297,7 +314,7 @@ def jacrev(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     Raises:
         InputError: ``f`` does not return a single floating-point tensor (use :func:`jacfwd`).
     """
-    _function_only(f, "jacrev")
+    f = _function_only(f, "jacrev")
     nums, single = _nums(argnums, len(example_inputs))
     g = vjp(f, *example_inputs, argnums=nums, leaf_modules=leaf_modules, simplify=simplify)
     fwd_gm = g.meta["fxad_forward"]
@@ -392,12 +409,15 @@ def jacfwd(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     """Jacobian of ``f`` by forward mode: the generated JVP (:func:`jvp`) vmapped over the
     basis of the inputs in ``argnums``.
 
+    ``f`` may be an ``nn.Module``: derivatives are then with respect to its inputs, its
+    parameters being constants (as ``torch.func.jacrev(model)`` treats them).
+
     Returns:
         :class:`BatchedDerivative` ``J``; ``J(*inputs)`` is shaped like ``f``'s output pytree
         with, at each floating leaf ``o``, a tensor of shape ``o.shape + x.shape`` (``argnums``
         an int) or a tuple of them over ``argnums`` (as ``torch.func.jacfwd``).
     """
-    _function_only(f, "jacfwd")
+    f = _function_only(f, "jacfwd")
     nums, single = _nums(argnums, len(example_inputs))
     j = jvp(f, *example_inputs, argnums=nums, leaf_modules=leaf_modules, simplify=simplify)
 
@@ -412,12 +432,15 @@ def hessian(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     """Hessian of a scalar-valued ``f``: the generated HVP (:func:`hvp`, forward-over-reverse)
     vmapped over the basis of the inputs in ``argnums``.
 
+    ``f`` may be an ``nn.Module``: derivatives are then with respect to its inputs, its
+    parameters being constants (as ``torch.func.jacrev(model)`` treats them).
+
     Returns:
         :class:`BatchedDerivative` ``H``; ``H(*inputs)`` has shape ``x.shape + x.shape`` for
         ``argnums`` an int, ``H[a][b]`` of shape ``x_a.shape + x_b.shape`` for a tuple (as
         ``torch.func.hessian``).
     """
-    _function_only(f, "hessian")
+    f = _function_only(f, "hessian")
     nums, single = _nums(argnums, len(example_inputs))
     h = hvp(f, *example_inputs, argnums=nums, leaf_modules=leaf_modules, simplify=simplify)
 
