@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import fxad
 from fxad.demo.data import CharCorpus, stdlib_text
@@ -135,3 +136,41 @@ def test_corpus_is_deterministic():
         assert torch.equal(i1, i2) and torch.equal(t1, t2)
         assert torch.equal(i1[:, 1:], t1[:, :-1])  # targets are shifted inputs
     assert corpus.decode(corpus.encode("def f")) == "def f"
+
+
+# --- forward mode and second order on the demo models --------------------------------------
+
+def _close64(a, b):
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
+        torch.testing.assert_close(x, y, atol=1e-9, rtol=1e-7)
+
+
+def test_jvp_hvp_jacobian_of_tinygpt_block():
+    from fxad.demo.models import Block
+    torch.manual_seed(0)
+    blk = Block(8, 2).double().eval()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=gen)
+    t = torch.randn(2, 5, 8, dtype=torch.float64, generator=gen)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    got_jvp = fxad.jvp(blk, x)(x, t)
+    loss = lambda x: blk(x).pow(2).mean()  # noqa: E731
+    got_hvp = fxad.hvp(loss, x)(x, t)[1][0]
+    xs = x[:1, :3]
+    got_jac = fxad.jacrev(blk, xs)(xs)
+    with sdpa_kernel(SDPBackend.MATH):  # PyTorch's CPU flash attention has no forward AD
+        _close64(got_jvp, torch.func.jvp(blk, (x,), (t,)))
+        _close64(got_hvp, torch.func.jvp(torch.func.grad(loss), (x,), (t,))[1])
+        _close64(got_jac, torch.func.jacrev(blk)(xs))
+
+
+def test_jvp_hvp_of_smallcnn_logits():
+    torch.manual_seed(0)
+    cnn = SmallCNN(width=4).double().eval()
+    x, _ = cnn_batch(B=2)
+    x = x.double()
+    t = torch.randn_like(x)
+    _close64(fxad.jvp(cnn.logits, x)(x, t), torch.func.jvp(cnn.logits, (x,), (t,)))
+    loss = lambda x: torch.logsumexp(cnn.logits(x), 1).sum()  # noqa: E731
+    _close64(fxad.hvp(loss, x)(x, t)[1][0],
+             torch.func.jvp(torch.func.grad(loss), (x,), (t,))[1])

@@ -38,6 +38,9 @@ _FACTORIES = (
 )
 
 
+_CONV_GRADS = tuple(f"conv{n}d_{w}" for n in (1, 2, 3) for w in ("input", "weight"))
+
+
 @contextlib.contextmanager
 def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
     originals = {name: getattr(torch, name) for name in _FACTORIES}
@@ -51,13 +54,32 @@ def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
         factory.__wrapped__ = orig  # type: ignore[attr-defined]
         return factory
 
+    # the convolution gradient functions are Python composites of an aten kernel: recorded
+    # as one node each (they have rules), like the generated code that calls them
+    import torch.nn.grad as nn_grad
+    grads = {name: getattr(nn_grad, name) for name in _CONV_GRADS if hasattr(nn_grad, name)}
+
+    def make_grad(orig: Callable) -> Callable:
+        def conv_grad(*args: Any, **kwargs: Any) -> Any:
+            if in_meta_computation() or not any(isinstance(a, fx.Proxy) for a in
+                                                pytree.tree_leaves((args, kwargs))):
+                return orig(*args, **kwargs)
+            return tracer.create_proxy("call_function", orig, args, kwargs)
+        conv_grad.__name__ = orig.__name__
+        conv_grad.__wrapped__ = orig  # type: ignore[attr-defined]
+        return conv_grad
+
     try:
         for name, orig in originals.items():
             setattr(torch, name, make(name, orig))
+        for name, orig in grads.items():
+            setattr(nn_grad, name, make_grad(orig))
         yield
     finally:
         for name, orig in originals.items():
             setattr(torch, name, orig)
+        for name, orig in grads.items():
+            setattr(nn_grad, name, orig)
 
 
 def _trace_through_functional() -> set:
@@ -432,6 +454,17 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
                                             if n.op not in ("placeholder", "output")):
         return _recapture_graphmodule(f, example_inputs)
     tracer = CaptureTracer(example_inputs, leaf_modules)
+    if inspect.ismethod(f) and not isinstance(f, torch.nn.Module):
+        # a bound method (``model.logits``): a function of its arguments; a module it is bound
+        # to is reached through the closure, its parameters constants of the function
+        method = f
+
+        def bound(*args: Any) -> Any:
+            return method(*args)
+
+        bound.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+        bound.__name__ = getattr(method, "__name__", "f")
+        f = bound
     if isinstance(f, torch.nn.Module):
         root: torch.nn.Module = f
         name = type(f).__name__
