@@ -29,17 +29,30 @@ def test_verified_rule_matches_autograd_on_complex_samples(op, rule):
     assert cx.check_rule(op, rule) == "pass"
 
 
-def test_unverified_rule_on_complex_values_uses_the_fallback():
+def test_complex_mul_is_written_with_conjugates():
     a, b = torch.randn(3, dtype=C), torch.randn(3, dtype=C)
     g = fxad.vjp(lambda a, b: a * b, a, b)
-    assert "fxad_autograd_vjp('operator.mul'" in g.code
+    assert "torch.conj(b)" in g.code and "autograd" not in g.code
     d = torch.randn(3, dtype=C)
     _, (d_a, d_b) = g(a, b, d)
     torch.testing.assert_close(d_a, d * b.conj())
     torch.testing.assert_close(d_b, d * a.conj())
-    # real tensors keep the hand-written rule
+    # real tensors: no conj at all
     r = torch.randn(3, dtype=torch.float64)
-    assert "autograd" not in fxad.vjp(lambda a, b: a * b, r, r).code
+    assert "conj" not in fxad.vjp(lambda a, b: a * b, r, r).code
+
+
+def test_unverified_rule_on_complex_values_uses_the_fallback():
+    assert "torch.abs" not in cx.VERIFIED  # its real rule (d * sign(x)) is wrong for complex
+    z = torch.randn(4, dtype=C)
+    g = fxad.vjp(lambda z: torch.abs(z), z)
+    assert "fxad_autograd_vjp('torch.abs'" in g.code
+    d = torch.randn(4, dtype=torch.float64)
+    zr = z.clone().requires_grad_()
+    want = torch.autograd.grad(torch.abs(zr), zr, d)[0]
+    torch.testing.assert_close(g(z, d)[1][0], want)
+    r = torch.randn(4, dtype=torch.float64)
+    assert "autograd" not in fxad.vjp(lambda x: torch.abs(x), r).code
 
 
 def test_mixed_real_complex_program_matches_autograd():

@@ -43,11 +43,30 @@ def _as_function(op, args, kwargs):
     return fn, [leaves[i] for i in slots]
 
 
+# ops whose torch.autograd gradient is itself wrong in torch 2.13: checked against finite
+# differences alone (see fxad.coverage._AUTOGRAD_WRONG)
+AUTOGRAD_WRONG = {torch.as_strided_scatter}
+
+
 @pytest.mark.parametrize("op,args,kwargs", list(_cases()))
 def test_rule_matches_autograd_and_finite_differences(op, args, kwargs):
     fn, inputs = _as_function(op, args, kwargs)
+    if op in AUTOGRAD_WRONG:
+        _check_against_finite_differences(fn, inputs)
+        return
     report = fxad.check(fn, *inputs)
     assert report.fd_rel_err < 1e-4
+
+
+def _check_against_finite_differences(fn, inputs):
+    from fxad.coverage import _fd_grads
+    out = fn(*inputs)
+    gen = torch.Generator().manual_seed(0)
+    cot = torch.randn(out.shape, dtype=out.dtype, generator=gen)
+    got = fxad.vjp(fn, *inputs)(*inputs, cot)[1]
+    want = _fd_grads(fn, list(inputs), [cot])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-7, rtol=1e-6)
 
 
 def test_every_rule_documents_its_source():

@@ -51,7 +51,7 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
         return out, (input if save == "input" else out)
 
     def bwd(aux: Any, d_out: Any) -> tuple[Any]:
-        return (derivative(aux) * d_out,)
+        return (conj(derivative(aux)) * d_out,)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
         (x,), (t,) = primals, tangents
@@ -64,6 +64,20 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
         yield (uniform((), lo, hi, dtype),), {}
 
     add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True)
+
+
+def conj(x: Any) -> Any:
+    """``conj(x)`` for complex values (a complex tensor or proxy, a Python complex), ``x``
+    itself otherwise, so real code is unchanged.  PyTorch's convention for complex inputs:
+    the cotangent of ``z`` in ``y = f(z)``, ``f`` holomorphic, is ``conj(f'(z)) * d_y``."""
+    import torch.fx as fx
+
+    v = x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
+    if isinstance(v, torch.Tensor) and v.is_complex():
+        return torch.conj(x)
+    if isinstance(x, complex):
+        return x.conjugate()
+    return x
 
 
 def uniform(shape: tuple[int, ...], lo: float, hi: float, dtype: torch.dtype) -> torch.Tensor:

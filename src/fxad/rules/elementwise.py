@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from ._base import builtin, randn, unary, uniform
+from ._base import conj, builtin, randn, unary, uniform
 from .registry import add_rule
 
 
@@ -86,14 +86,15 @@ class Neg:
 
 @builtin(operator.mul)
 class Mul:
-    """``a * b``: d_a = d * b, d_b = a * d (derivatives.yaml ``mul.Tensor``)."""
+    """``a * b``: d_a = d * b, d_b = a * d (derivatives.yaml ``mul.Tensor``; complex:
+    d_a = d * conj(b), d_b = conj(a) * d)."""
 
     def fwd(a, b):
         return a * b, (a, b)
 
     def bwd(aux, d):
         a, b = aux
-        return d * b, a * d
+        return d * conj(b), conj(a) * d
 
     def jvp(primals, tangents):
         (a, b), (ta, tb) = primals, tangents
@@ -107,7 +108,8 @@ class Mul:
 
 @builtin(operator.truediv)
 class Div:
-    """``a / b``: d_a = d / b, d_b = -d * (a / b) / b (derivatives.yaml ``div.Tensor``)."""
+    """``a / b``: d_a = d / b, d_b = -d * (a / b) / b (derivatives.yaml ``div.Tensor``;
+    complex: d_a = d / conj(b), d_b = -d_a * conj(a / b))."""
 
     def fwd(a, b):
         out = a / b
@@ -115,8 +117,8 @@ class Div:
 
     def bwd(aux, d):
         b, out = aux
-        d_a = d / b
-        return d_a, (-d_a * out if _is_t(b) else None)
+        d_a = d / conj(b)
+        return d_a, (-d_a * conj(out) if _is_t(b) else None)
 
     def jvp(primals, tangents):
         (a, b), (ta, tb) = primals, tangents

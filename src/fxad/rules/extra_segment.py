@@ -199,3 +199,432 @@ class SegmentReduce:
         z[5, 1] = 0.0
         yield (z, "prod"), {"lengths": torch.tensor([3, 3]), "initial": 1.5}
         yield (z, "prod"), {"lengths": torch.tensor([2, 4])}
+
+
+# --------------------------------------------------------------------------------------------
+# combinations
+# --------------------------------------------------------------------------------------------
+
+@builtin(torch.combinations)
+class Combinations:
+    """combinations(x, r, with_replacement) = x[idx] with the integer table
+    idx = combinations(arange(n), r, with_replacement): d_x = index_add of d at idx; the op is
+    linear, so its tangent is the op applied to the tangent."""
+
+    def fwd(input, r=2, with_replacement=False):
+        out = torch.combinations(input, r, with_replacement)
+        return out, (input, r, with_replacement)
+
+    def bwd(aux, d):
+        x, r, with_replacement = aux
+        if r == 0 or d.numel() == 0:
+            return (torch.zeros_like(x),)
+        n = x.shape[0]
+        idx = torch.combinations(torch.arange(n, device=x.device), r, with_replacement)
+        return (torch.zeros_like(x).index_add(0, torch.reshape(idx, (-1,)),
+                                              torch.reshape(d, (-1,))),)
+
+    def jvp(primals, tangents):
+        x, r, with_replacement = primals
+        t = tangents[0]
+        out = torch.combinations(x, r, with_replacement)
+        return out, (None if t is None else torch.combinations(t, r, with_replacement))
+
+    def samples(dtype):
+        x = randn(4, dtype=dtype)
+        yield (x,), {}
+        yield (x, 3), {}
+        yield (x, 2, True), {}
+        yield (x,), {"r": 1, "with_replacement": True}
+        yield (randn(1, dtype=dtype), 2, True), {}
+
+
+# --------------------------------------------------------------------------------------------
+# gaussian_nll_loss
+# --------------------------------------------------------------------------------------------
+
+def _gnll_var(input: Any, var: Any) -> tuple[Any, bool]:
+    """var shaped as in F.gaussian_nll_loss (one fewer dim -> unsqueezed last dim)."""
+    if tuple(var.shape) != tuple(input.shape) and tuple(input.shape[:-1]) == tuple(var.shape):
+        return torch.unsqueeze(var, -1), True
+    return var, False
+
+
+@builtin(F.gaussian_nll_loss)
+class GaussianNLLLoss:
+    """gaussian_nll_loss: l = (log v + (x - y)^2 / v) / 2, v = max(var, eps);
+    d_x = (x - y) / v, d_y = -d_x, d_var = (1/v - (x - y)^2 / v^2) / 2 times the (reduced)
+    cotangent.  F.gaussian_nll_loss clamps a copy of var in place under no_grad, so autograd
+    passes the var cotangent straight through the clamp (not zero where clamped); so do we."""
+
+    def fwd(input, target, var, full=False, eps=1e-6, reduction="mean"):
+        out = F.gaussian_nll_loss(input, target, var, full=full, eps=eps, reduction=reduction)
+        return out, (input, target, var, eps, reduction)
+
+    def bwd(aux, d):
+        x, y, var, eps, reduction = aux
+        is_tensor = isinstance(var, torch.Tensor) or hasattr(var, "shape")
+        v, unsq = _gnll_var(x, var) if is_tensor else (None, False)
+        diff = x - y
+        shape = torch.broadcast_shapes(tuple(x.shape), tuple(y.shape),
+                                       tuple(v.shape) if v is not None else ())
+        if reduction == "mean":
+            d = d / math.prod(shape)
+        vc = torch.clamp(v, min=eps) if v is not None else torch.clamp(
+            torch.full_like(x, var), min=eps)
+        d_x = d * diff / vc
+        d_var = None
+        if v is not None:
+            d_var = d * (0.5 / vc - 0.5 * diff * diff / (vc * vc))
+            if unsq:
+                d_var = torch.sum(torch.broadcast_to(d_var, shape), -1)
+        return d_x, -d_x, d_var
+
+    def jvp(primals, tangents):
+        x, y, var, full, eps, reduction = primals
+        tx, ty, tv = tangents[:3]
+        out = F.gaussian_nll_loss(x, y, var, full=full, eps=eps, reduction=reduction)
+        is_tensor = isinstance(var, torch.Tensor) or hasattr(var, "shape")
+        v, unsq = _gnll_var(x, var) if is_tensor else (None, False)
+        vc = torch.clamp(v, min=eps) if v is not None else torch.clamp(
+            torch.full_like(x, var), min=eps)
+        diff = x - y
+        shape = torch.broadcast_shapes(tuple(x.shape), tuple(y.shape), tuple(vc.shape))
+        t = None
+        if tx is not None or ty is not None:
+            td = tx if ty is None else (-ty if tx is None else tx - ty)
+            t = diff * td / vc
+        if v is not None and tv is not None:
+            if unsq:
+                tv = torch.unsqueeze(tv, -1)
+            tvar = tv * (0.5 / vc - 0.5 * diff * diff / (vc * vc))
+            t = tvar if t is None else t + tvar
+        if t is None:
+            return out, None
+        t = torch.broadcast_to(t, shape)
+        if reduction == "mean":
+            t = torch.mean(t)
+        elif reduction == "sum":
+            t = torch.sum(t)
+        return out, t
+
+    def samples(dtype):
+        x, y = randn(4, 3, dtype=dtype), randn(4, 3, dtype=dtype)
+        yield (x, y, uniform((4, 3), 0.5, 2.0, dtype)), {}
+        yield (x, y, uniform((4,), 0.5, 2.0, dtype)), {"full": True, "reduction": "sum"}
+        yield (x, y, uniform((4, 1), 0.5, 2.0, dtype)), {"reduction": "none"}
+        yield (x, randn(3, dtype=dtype), uniform((4, 1), 0.5, 2.0, dtype)), {"eps": 1e-3}
+        yield (randn(3, dtype=dtype), y, uniform((3,), 0.5, 2.0, dtype)), {"reduction": "sum"}
+        # (var clamped at eps: autograd's straight-through value is checked separately; finite
+        # differences see the clamp, so such a sample is not listed here)
+
+
+# --------------------------------------------------------------------------------------------
+# cov, corrcoef
+# --------------------------------------------------------------------------------------------
+
+def _cov_parts(x: Any, correction: int, fweights: Any, aweights: Any) -> dict:
+    """The pieces of torch.cov's computation (same dtypes and order as its docs' formula):
+    observations matrix X (vars, obs), weights w (or None), their sum W, normalization N,
+    centred Xc."""
+    X = torch.reshape(x, (1, -1)) if x.dim() < 2 else x
+    w = fweights
+    if aweights is not None:
+        w = aweights if w is None else w * aweights
+    if w is None:
+        W = X.shape[1]
+        avg = torch.sum(X, 1) / W
+        N = W - correction
+        N = 0 if N <= 0 else N
+    else:
+        W = torch.sum(w)
+        avg = torch.sum(X * w, 1) / W
+        if aweights is not None and correction != 0:
+            N = W - correction * torch.sum(w * aweights) / W
+        else:
+            N = W - correction
+        N = torch.where(N <= 0, torch.zeros_like(N), N)
+    Xc = X - torch.unsqueeze(avg, 1)
+    return {"X": X, "w": w, "W": W, "N": N, "Xc": Xc}
+
+
+def _cov_vjp(x, correction, fweights, aweights, out, G):
+    """Cotangents (d_x, d_aweights) of cov for the (V, V) cotangent G."""
+    p = _cov_parts(x, correction, fweights, aweights)
+    Xc, w, W, N = p["Xc"], p["w"], p["W"], p["N"]
+    v = Xc.shape[0]
+    G = torch.reshape(G, (v, v))
+    Xw = Xc if w is None else Xc * w
+    d_x = torch.reshape((G + G.mT) @ Xw / N, tuple(x.shape))
+    d_a = None
+    if aweights is not None and aweights.is_floating_point():
+        C = torch.reshape(out, (v, v))
+        # the two terms in the weights' dtype, as autograd rounds them (aweights may be
+        # float32 with a float64 input)
+        q = (torch.sum(Xc * (G @ Xc), 0) / N).to(w.dtype)    # <G, dS/dw_i> / N
+        dLdN = (-torch.sum(G * C) / N).to(w.dtype)
+        if correction != 0:
+            dNdw = 1 - correction * (aweights / W - torch.sum(w * aweights) / (W * W))
+        else:
+            dNdw = torch.ones_like(aweights)
+        dw = q + dLdN * dNdw
+        d_a = dw if fweights is None else dw * fweights
+        if correction != 0:
+            d_a = d_a - dLdN * correction * w / W
+    return d_x, d_a
+
+
+def _cov_jvp(x, correction, fweights, aweights, out, tx, ta):
+    """Tangent (V, V) of cov for tangents tx (of x) and ta (of aweights)."""
+    p = _cov_parts(x, correction, fweights, aweights)
+    Xc, w, W, N = p["Xc"], p["w"], p["W"], p["N"]
+    v = Xc.shape[0]
+    t = None
+    if tx is not None:
+        T = torch.reshape(tx, tuple(Xc.shape))
+        M = T @ (Xc if w is None else Xc * w).mT
+        t = (M + M.mT) / N
+    if ta is not None and aweights is not None:
+        C = torch.reshape(out, (v, v))
+        dw = ta if fweights is None else ta * fweights
+        if correction != 0:
+            dNdw = 1 - correction * (aweights / W - torch.sum(w * aweights) / (W * W))
+            dN = torch.sum(dNdw * dw) - correction * torch.sum(w * ta) / W
+        else:
+            dN = torch.sum(dw)
+        ta_part = ((Xc * dw) @ Xc.mT - C * dN) / N
+        t = ta_part if t is None else t + ta_part
+    return t
+
+
+@builtin(torch.cov)
+class Cov:
+    """cov(x, correction, fweights, aweights) = Xc diag(w) Xc^T / N (torch.cov docs):
+    d_x = (G + G^T) Xc diag(w) / N (the mean's derivative drops out as Xc w = 0);
+    d_aweights_i = f_i (xc_i^T G xc_i / N - <G, C> dN/dw_i / N) + the explicit dependence of N
+    on the aweights (fweights are integers: no cotangent)."""
+
+    def fwd(input, *, correction=1, fweights=None, aweights=None):
+        out = torch.cov(input, correction=correction, fweights=fweights, aweights=aweights)
+        return out, (input, correction, fweights, aweights, out)
+
+    def bwd(aux, d):
+        x, correction, fweights, aweights, out = aux
+        d_x, d_a = _cov_vjp(x, correction, fweights, aweights, out, d)
+        return {"input": d_x, "aweights": d_a}
+
+    def jvp(primals, tangents):
+        x, correction, fweights, aweights = primals
+        tx, ta = tangents[0], tangents[3]
+        out = torch.cov(x, correction=correction, fweights=fweights, aweights=aweights)
+        t = _cov_jvp(x, correction, fweights, aweights, out, tx, ta)
+        return out, (None if t is None else torch.reshape(t, tuple(out.shape)))
+
+    def samples(dtype):
+        x = randn(3, 5, dtype=dtype)
+        f = torch.tensor([1, 3, 2, 1, 2])
+        a = uniform((5,), 0.5, 2.0, dtype)
+        yield (x,), {}
+        yield (x,), {"correction": 0, "fweights": f}
+        yield (x,), {"correction": 2, "aweights": a}
+        yield (x,), {"fweights": f, "aweights": a}
+        yield (randn(5, dtype=dtype),), {"aweights": a}
+        yield (randn(1, 4, dtype=dtype),), {"correction": 0}
+
+
+@builtin(torch.corrcoef)
+class Corrcoef:
+    """corrcoef(x) = clip(C / (s s^T), -1, 1), C = cov(x), s = sqrt(diag C): with G masked
+    where the clip is active (autograd's clamp), d_C = G / (s s^T) + diag(d_s / (2 s)),
+    d_s_k = -(sum_i G_ik R_ik + sum_j G_kj R_kj) / s_k; then cov's rule.  A single variable
+    gives C / C (derivative 0 up to rounding, as autograd's)."""
+
+    def fwd(input):
+        out = torch.corrcoef(input)
+        return out, input
+
+    def bwd(x, d):
+        C = torch.cov(x)
+        if C.dim() == 0:
+            dC = d / C - d * C / (C * C)
+            return (_cov_vjp(x, 1, None, None, C, dC)[0],)
+        s = torch.sqrt(torch.diagonal(C))
+        col, row = torch.unsqueeze(s, 1), torch.unsqueeze(s, 0)
+        R = C / col / row
+        G = torch.where((R >= -1) & (R <= 1), d, torch.zeros_like(d))
+        GR = G * R
+        ds = -(torch.sum(GR, 0) + torch.sum(GR, 1)) / s
+        dC = G / col / row + torch.diag(ds / (2 * s))
+        return (_cov_vjp(x, 1, None, None, C, dC)[0],)
+
+    def jvp(primals, tangents):
+        (x,), (tx,) = primals, tangents
+        out = torch.corrcoef(x)
+        if tx is None:
+            return out, None
+        C = torch.cov(x)
+        tC = torch.reshape(_cov_jvp(x, 1, None, None, C, tx, None), tuple(C.shape))
+        if C.dim() == 0:
+            return out, tC / C - C * tC / (C * C)
+        s = torch.sqrt(torch.diagonal(C))
+        col, row = torch.unsqueeze(s, 1), torch.unsqueeze(s, 0)
+        R = C / col / row
+        rel = torch.diagonal(tC) / (2 * s * s)             # ds / s
+        tR = tC / col / row - R * (torch.unsqueeze(rel, 1) + torch.unsqueeze(rel, 0))
+        return out, torch.where((R >= -1) & (R <= 1), tR, torch.zeros_like(tR))
+
+    def samples(dtype):
+        yield (randn(3, 5, dtype=dtype),), {}
+        yield (randn(2, 4, dtype=dtype),), {}
+        yield (randn(6, dtype=dtype),), {}
+
+
+# --------------------------------------------------------------------------------------------
+# embedding_bag
+# --------------------------------------------------------------------------------------------
+
+def _bag_layout(input, offsets, include_last_offset, padding_idx, num_weights):
+    """Flat indices, the bag of each index (clamped into range), whether it counts (inside a
+    bag and not padding), and the number of bags."""
+    idx = torch.reshape(input, (-1,))
+    m = idx.shape[0]
+    pos = torch.arange(m, device=idx.device)
+    if input.dim() == 2:
+        n_bags = input.shape[0]
+        bag = torch.div(pos, max(input.shape[1], 1), rounding_mode="floor")
+        valid = torch.ones_like(idx, dtype=torch.bool)
+    else:
+        n_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+        bag = torch.searchsorted(offsets.to(pos.dtype), pos, right=True) - 1
+        # entries past offsets[-1] (include_last_offset=True) belong to the last bag, as in
+        # PyTorch's CPU kernels (forward and backward)
+        valid = bag >= 0
+        bag = torch.clamp(bag, 0, max(n_bags - 1, 0))
+    if padding_idx is not None:
+        pad = padding_idx + num_weights if padding_idx < 0 else padding_idx
+        valid = valid & (idx != pad)
+    return idx, bag, valid, n_bags
+
+
+def _freq_divisor(idx, num_weights, dtype):
+    """Per index, the divisor PyTorch's embedding_bag backward uses for scale_grad_by_freq.
+    The CPU kernel walks the sorted indices group by group and divides the k-th group (k-th
+    smallest distinct index) by the count of ``sorted_indices[k]`` rather than of the group's
+    own index; we reproduce that on CPU so gradients equal autograd's.  Elsewhere it is the
+    index's own count in the batch."""
+    counts = torch.zeros(num_weights, dtype=dtype, device=idx.device).index_add(
+        0, idx, torch.ones_like(idx, dtype=dtype))
+    if idx.device.type != "cpu":
+        return counts[idx]
+    rank = torch.cumsum((counts > 0).to(torch.int64), 0) - 1       # rank among distinct
+    sorted_idx = torch.sort(idx).values
+    return counts[sorted_idx[rank[idx]]]
+
+
+def _bag_max_first(weight, out, idx, bag, valid, n_bags):
+    """(M, D) mask: for each bag and column, the first index whose row attains the max."""
+    m = idx.shape[0]
+    vals = weight[idx]
+    cand = torch.unsqueeze(valid, 1) & (vals == out[bag])
+    pos = torch.unsqueeze(torch.arange(m, device=idx.device), 1).expand(tuple(vals.shape))
+    pos = torch.where(cand, pos, torch.full_like(pos, m))
+    first = torch.full((n_bags, vals.shape[1]), m, dtype=pos.dtype, device=idx.device)
+    first = first.scatter_reduce(0, torch.unsqueeze(bag, 1).expand(tuple(vals.shape)), pos,
+                                 "amin")
+    return cand & (pos == first[bag])
+
+
+@builtin(F.embedding_bag)
+class EmbeddingBag:
+    """embedding_bag (derivatives.yaml `_embedding_bag`: _embedding_bag_backward and
+    _embedding_bag_per_sample_weights_backward): d_weight = index_add over the bag entries of
+    the bag's cotangent times the per-sample weight (sum), over the bag size (mean), or to the
+    first row attaining the max per column (max); per_sample_weights get <d_bag, weight_row>;
+    padding entries get nothing; scale_grad_by_freq divides by the index count (as PyTorch's
+    CPU kernel does, see _freq_divisor).  With max_norm the forward renormalises weight rows
+    in place (no gradient through the renorm), and the backward reads the renormalised rows,
+    as autograd does."""
+
+    def fwd(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
+            mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
+            padding_idx=None):
+        if sparse:
+            raise RuleError("embedding_bag(sparse=True): the weight gradient would be a sparse "
+                            "tensor; fxad's rule writes dense gradients (use sparse=False)")
+        out = F.embedding_bag(input, weight, offsets, max_norm=max_norm, norm_type=norm_type,
+                              scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse,
+                              per_sample_weights=per_sample_weights,
+                              include_last_offset=include_last_offset, padding_idx=padding_idx)
+        return out, (input, weight, offsets, scale_grad_by_freq, mode, per_sample_weights,
+                     include_last_offset, padding_idx, out)
+
+    def bwd(aux, d):
+        (input, weight, offsets, scale_freq, mode, psw, include_last_offset, padding_idx,
+         out) = aux
+        idx, bag, valid, n_bags = _bag_layout(input, offsets, include_last_offset, padding_idx,
+                                              weight.shape[0])
+        if n_bags == 0 or idx.shape[0] == 0:
+            return {"weight": torch.zeros_like(weight)}
+        d_bag = d[bag]                                          # (M, D)
+        keep = torch.unsqueeze(valid, 1)
+        zero = torch.zeros_like(d_bag)
+        if mode == "max":
+            first = _bag_max_first(weight, out, idx, bag, valid, n_bags)
+            rows = torch.where(first, d_bag, zero)
+            return {"weight": torch.zeros_like(weight).index_add(0, idx, rows)}
+        rows = d_bag
+        if psw is not None:
+            rows = rows * torch.unsqueeze(torch.reshape(psw, (-1,)), 1)
+        if mode == "mean":
+            size = torch.zeros(n_bags, dtype=d.dtype, device=d.device).index_add(
+                0, bag, valid.to(d.dtype))
+            rows = rows / torch.unsqueeze(size[bag], 1)
+        if scale_freq:
+            rows = rows / torch.unsqueeze(_freq_divisor(idx, weight.shape[0], d.dtype), 1)
+        d_w = torch.zeros_like(weight).index_add(0, idx, torch.where(keep, rows, zero))
+        d_psw = None
+        if psw is not None:
+            dots = torch.sum(d_bag * weight[idx], 1)
+            d_psw = torch.reshape(torch.where(valid, dots, torch.zeros_like(dots)),
+                                  tuple(psw.shape))
+        return {"weight": d_w, "per_sample_weights": d_psw}
+
+    def jvp(primals, tangents):
+        (input, weight, offsets, max_norm, norm_type, scale_freq, mode, sparse, psw,
+         include_last_offset, padding_idx) = primals
+        tw, tp = tangents[1], tangents[8]
+        out = F.embedding_bag(input, weight, offsets, max_norm=max_norm, norm_type=norm_type,
+                              scale_grad_by_freq=scale_freq, mode=mode, sparse=sparse,
+                              per_sample_weights=psw, include_last_offset=include_last_offset,
+                              padding_idx=padding_idx)
+        kw = {"mode": mode, "include_last_offset": include_last_offset,
+              "padding_idx": padding_idx}
+        t = None
+        if tw is not None:
+            if mode == "max":
+                idx, bag, valid, n_bags = _bag_layout(input, offsets, include_last_offset,
+                                                      padding_idx, weight.shape[0])
+                first = _bag_max_first(weight, out, idx, bag, valid, n_bags)
+                rows = torch.where(first, tw[idx], torch.zeros_like(tw[idx]))
+                t = torch.zeros_like(out).index_add(0, bag, rows)
+            else:
+                t = F.embedding_bag(input, tw, offsets, per_sample_weights=psw, **kw)
+        if tp is not None:
+            tpsw = F.embedding_bag(input, weight, offsets, per_sample_weights=tp, **kw)
+            t = tpsw if t is None else t + tpsw
+        return out, t
+
+    def samples(dtype):
+        w = randn(10, 4, dtype=dtype)
+        idx = torch.tensor([1, 5, 4, 5, 9, 0, 2])
+        off = torch.tensor([0, 3, 3])
+        idx2 = torch.tensor([[2, 1, 1], [0, 2, 4], [2, 0, 7]])
+        for mode in ("sum", "mean", "max"):
+            yield (idx, w, off), {"mode": mode}
+            yield (idx2, w), {"mode": mode, "padding_idx": 2}
+            yield (idx, w, torch.tensor([0, 2, 2, 6])), {"mode": mode,
+                                                         "include_last_offset": True}
+            yield (idx, w, off), {"mode": mode, "padding_idx": -5}
+        yield (idx, w, off, None, 2, False, "sum", False, randn(7, dtype=dtype)), {}
+        yield (idx2, w), {"mode": "sum", "per_sample_weights": randn(3, 3, dtype=dtype),
+                          "padding_idx": 1}

@@ -71,16 +71,32 @@ def _check_owns_storage(op: str, x: Any, *, offset_matters: bool = True) -> None
                      "positions refer to the input's own elements")
 
 
+def _check_in_bounds(op: str, x: Any, size: Any, stride: Any, offset: int) -> None:
+    """Refuse positions past the input's elements (eager as_strided raises there too)."""
+    n = _meta(x).numel()
+    if all(int(k) > 0 for k in size):
+        last = int(offset) + sum((int(k) - 1) * int(s) for k, s in zip(size, stride))
+        if int(offset) < 0 or last >= n:
+            raise _error(op, f"size {tuple(size)}, stride {tuple(stride)} and storage offset "
+                         f"{offset} read storage position {last}, past the input's {n} "
+                         "elements", "keep the strided positions inside the input")
+
+
 def _positions(size: Any, stride: Any, offset: int, device: Any) -> Any:
     """int64 tensor of shape ``size``: the storage position each output element reads."""
     size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
-    p = torch.full(size, int(offset), dtype=torch.int64, device=device)
+    p = None
     for k, (n, s) in enumerate(zip(size, stride)):
         if n > 1 and s != 0:
             shape = [1] * len(size)
             shape[k] = n
-            p = p + torch.reshape(torch.arange(0, n * s, s, device=device), tuple(shape))
-    return p
+            term = torch.reshape(torch.arange(0, n * s, s, device=device), tuple(shape))
+            p = term if p is None else p + term
+    if p is None:
+        return torch.full(size, int(offset), dtype=torch.int64, device=device)
+    if offset:
+        p = p + int(offset)
+    return p if tuple(p.shape) == size else p.expand(size)
 
 
 def _offset(x: Any, storage_offset: Any) -> int:
@@ -92,12 +108,10 @@ class _AsStrided:
     storage positions read (derivatives.yaml `as_strided`: as_strided_backward, for an input
     owning its storage contiguously); JVP: take(t, p)."""
 
-    op: Any = None
-    name = ""
-
     @classmethod
     def make(cls, op: Any, name: str) -> None:
         def fwd(input, size, stride, storage_offset=None):
+            _check_in_bounds(name, input, size, stride, _offset(input, storage_offset))
             _check_owns_storage(name, input)
             out = op(input, size, stride, storage_offset)
             return out, (tuple(input.shape), input.numel(), tuple(size), tuple(stride),
@@ -112,6 +126,7 @@ class _AsStrided:
 
         def jvp(primals, tangents):
             x, size, stride, storage_offset = primals
+            _check_in_bounds(name, x, size, stride, _offset(x, storage_offset))
             _check_owns_storage(name, x)
             out = op(x, size, stride, storage_offset)
             t = tangents[0]
@@ -141,12 +156,11 @@ _AsStrided.make(torch.as_strided, "torch.as_strided")
 _AsStrided.make(torch.as_strided_copy, "torch.as_strided_copy")
 
 
-# NOT registered (torch.as_strided_scatter stays on the autograd fallback): PyTorch 2.13's own
-# backward for ``input`` (as_strided_scatter_backward) returns ``d`` *at* the strided positions
-# and zeros elsewhere, the complement of the true derivative (finite differences agree with the
-# rule below), so a correct rule is reported "wrong" by every comparison with autograd.
-# Register it with ``fxad.register_vjp(torch.as_strided_scatter, fwd=AsStridedScatter.fwd, ...)``
-# once autograd is fixed or the sweep compares with finite differences.
+# PyTorch 2.13's own backward for ``input`` (as_strided_scatter_backward) returns ``d`` *at*
+# the strided positions and zeros elsewhere, the complement of the true derivative, so the
+# autograd fallback would be wrong here; this rule is checked against finite differences
+# instead (fxad.coverage._AUTOGRAD_WRONG, tests/test_rules.py).
+@builtin(torch.as_strided_scatter)
 class AsStridedScatter:
     """as_strided_scatter(x, src, size, stride, storage_offset): d_x = d with the strided
     positions p zeroed, d_src = take(d, p) (derivatives.yaml `as_strided_scatter`:
@@ -406,6 +420,7 @@ class Gradient:
         yield (randn(3, 3, 4, dtype=dtype),), {"spacing": [c1, c2], "dim": (0, -1)}
         yield (randn(3, 3, 4, dtype=dtype),), {"spacing": [c1, c2], "dim": (1, 2),
                                                "edge_order": 2}
+        yield (randn(3, 4, dtype=dtype),), {"spacing": (c1, c2), "edge_order": 2}   # tuple
         c3 = torch.tensor([0.5, 1.7, 2.0, 3.1, 4.6], dtype=dtype)
         yield (randn(5, dtype=dtype),), {"spacing": [c3], "edge_order": 2}
         yield (randn(2, 3, dtype=dtype),), {"spacing": [torch.tensor([0.0, 1.5], dtype=dtype)],

@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ._base import builtin, randn
+from ._base import conj, builtin, randn
 
 
 def _add(a, b):
@@ -47,7 +47,7 @@ class Matmul:
 
     def bwd(aux, d):
         a, b = aux
-        return _matmul_bwd(a, b, d)
+        return _matmul_bwd(conj(a), conj(b), d)  # complex: d_a = d @ b^H, d_b = a^H @ d
 
     def jvp(primals, tangents):
         (a, b), (ta, tb) = primals, tangents
@@ -72,7 +72,7 @@ class Mm:
         return torch.mm(input, mat2), (input, mat2)
 
     def bwd(aux, d):
-        a, b = aux
+        a, b = conj(aux[0]), conj(aux[1])  # (complex: adjoints use conjugates)
         return torch.mm(d, b.t()), torch.mm(a.t(), d)
 
     def jvp(primals, tangents):
@@ -92,7 +92,7 @@ class Bmm:
         return torch.bmm(input, mat2), (input, mat2)
 
     def bwd(aux, d):
-        a, b = aux
+        a, b = conj(aux[0]), conj(aux[1])  # (complex: adjoints use conjugates)
         return torch.bmm(d, b.mT), torch.bmm(a.mT, d)
 
     def jvp(primals, tangents):
@@ -113,7 +113,7 @@ class Linear:
         return F.linear(input, weight, bias), (input, weight)
 
     def bwd(aux, d):
-        x, w = aux
+        x, w = conj(aux[0]), conj(aux[1])  # (complex: adjoints use conjugates)
         d_x = d @ w
         if x.dim() == 1:
             d_w = torch.unsqueeze(d, -1) * x
@@ -153,7 +153,7 @@ class Addmm:
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha), (mat1, mat2, beta, alpha)
 
     def bwd(aux, d):
-        a, b, beta, alpha = aux
+        a, b, beta, alpha = conj(aux[0]), conj(aux[1]), conj(aux[2]), conj(aux[3])
         d_ab = d if alpha == 1 else d * alpha
         return (d if beta == 1 else d * beta), torch.mm(d_ab, b.t()), torch.mm(a.t(), d_ab)
 
