@@ -35,6 +35,7 @@ def _emit(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn`` as *one* graph node when an argument is a proxy (so a public composite such
     as ``torch.nn.grad.conv2d_input`` appears in the generated code as written, instead of
     being traced into its internals); call it directly on real tensors."""
+    fn = getattr(fn, "__wrapped__", fn)  # capture's recording wrapper -> the function itself
     for a in pytree.tree_leaves((args, kwargs)):
         if isinstance(a, fx.Proxy):
             return a.tracer.create_proxy("call_function", fn, args, kwargs)
