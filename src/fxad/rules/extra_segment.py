@@ -1,7 +1,7 @@
 """Segment and bag reductions, combinations, correlation and the Gaussian NLL loss:
 ``torch.segment_reduce`` (``torch._segment_reduce``; lengths or offsets, sum / mean / max / min
 / prod), ``F.embedding_bag`` (sum / mean / max), ``torch.combinations``, ``torch.corrcoef`` and
-``F.gaussian_nll_loss`` (``torch.cov`` stays on the autograd fallback, see below).
+``F.gaussian_nll_loss`` and ``torch.cov``.
 
 Sources of the formulas:
 
@@ -23,9 +23,8 @@ Sources of the formulas:
   ``Xc = X - mean_w`` and ``N`` the normalization of the torch.cov docs.  Since ``Xc w = 0``
   the mean's derivative drops out: ``dX = (G + G^T) Xc diag(w) / N``; for ``aweights``
   ``dC/dw_i = xc_i xc_i^T / N - C dN/dw_i / N``, ``N`` depending on the aweights too.
-  ``torch.cov`` itself is left to the autograd fallback: OpInfo passes float32 ``aweights``
-  with a float64 input, and autograd's float32 rounding of that cotangent (terms that
-  nearly cancel) cannot be reproduced to float64 tolerance.
+  OpInfo passes float32 ``aweights`` with a float64 input: autograd rounds that cotangent
+  (terms that nearly cancel) in float32, which the sweep compares at float32 tolerance.
 * corrcoef: ``R = C / (s s^T)``, ``s = sqrt(diag C)``, clipped to [-1, 1] (the clip passes
   the cotangent only where ``-1 <= R <= 1``, as autograd's clamp does), then cov's rule.
 * gaussian_nll_loss: ``l = (log v + (x - y)^2 / v) / 2`` with ``v = max(var, eps)``; as in
