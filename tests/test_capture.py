@@ -277,3 +277,11 @@ def test_multihead_attention_module_is_traced_through_to_ops_with_rules():
             return self.attn(x, x, x)[0].sum()
 
     fxad.check(Block().double(), x)
+
+
+def test_builtins_and_bound_methods_are_functions_of_their_arguments():
+    x = torch.randn(3, dtype=torch.float64)
+    assert "torch.cos(x)" in fxad.vjp(torch.sin, x).code
+    fxad.check(torch.atan2, x, x + 2)
+    lin = nn.Linear(3, 2).double()
+    fxad.check(lin.forward, x)  # the module's parameters are constants here

@@ -75,3 +75,20 @@ def test_complex_generated_code_runs_after_to_folder(tmp_path):
             "torch.testing.assert_close(got[1][0], want[1][0]); print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_rules_verified_by_the_sweep_match_autograd():
+    names = {op_name(op) for op in fxad.all_rules()}
+    assert cx.VERIFIED_BY_SWEEP <= names
+    z = torch.randn(3, 4, dtype=C)
+    for f in (torch.imag, torch.view_as_real, lambda z: z.chalf().cdouble(),
+              lambda z: torch.linalg.eigvals(z.real[:, :3]) * z[:, 0].conj()):
+        g = fxad.vjp(f, z)
+        out = f(z)
+        d = torch.randn(out.shape, dtype=out.dtype)
+        zr = z.clone().requires_grad_()
+        want = torch.autograd.grad(f(zr), zr, d)[0]
+        low = out.dtype == torch.complex32
+        torch.testing.assert_close(g(z, d)[1][0], want, atol=1e-2 if low else 1e-10,
+                                   rtol=1e-2 if low else 1e-8)
+        assert "autograd_vjp" not in g.code

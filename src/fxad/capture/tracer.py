@@ -454,15 +454,25 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
                                             if n.op not in ("placeholder", "output")):
         return _recapture_graphmodule(f, example_inputs)
     tracer = CaptureTracer(example_inputs, leaf_modules)
-    if inspect.ismethod(f) and not isinstance(f, torch.nn.Module):
-        # a bound method (``model.logits``): a function of its arguments; a module it is bound
-        # to is reached through the closure, its parameters constants of the function
+    if callable(f) and not inspect.isfunction(f) and not isinstance(f, torch.nn.Module):
+        # a bound method (``model.logits``), a builtin (``torch.sin``) or another callable: a
+        # function of its arguments; a module it is bound to is reached through the closure,
+        # its parameters constants of the function
         method = f
 
         def bound(*args: Any) -> Any:
             return method(*args)
 
-        bound.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+        try:
+            sig = inspect.signature(method)
+            if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()) \
+                    or len(sig.parameters) < len(example_inputs):
+                raise ValueError
+        except (TypeError, ValueError):  # builtins often have no usable signature
+            sig = inspect.Signature([inspect.Parameter(
+                "x" if len(example_inputs) == 1 else f"x{i}", inspect.Parameter.POSITIONAL_ONLY)
+                for i in range(len(example_inputs))])
+        bound.__signature__ = sig  # type: ignore[attr-defined]
         bound.__name__ = getattr(method, "__name__", "f")
         f = bound
     if isinstance(f, torch.nn.Module):

@@ -13,7 +13,7 @@ from . import extra_math, extra_linalg, extra_shape, extra_nn  # noqa: F401,E402
 from . import extra_reductions, extra_shape2  # noqa: F401,E402
 from . import extra_fft, extra_decomp, extra_pool, extra_index, extra_nn2  # noqa: F401,E402
 from . import extra_strided, extra_segment, extra_grid, extra_householder  # noqa: F401,E402
-from . import conv_grads  # noqa: F401,E402
+from . import conv_grads, complex_ops  # noqa: F401,E402
 from . import fallback  # noqa: F401,E402  (last: only ops without a hand-written rule)
 from .registry import Rule, all_rules, lookup, register_vjp, unregister
 
