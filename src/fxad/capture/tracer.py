@@ -313,6 +313,17 @@ class CaptureTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return bool(self.leaf_types) and isinstance(m, self.leaf_types)
 
+    def create_arg(self, a: Any) -> Any:  # type: ignore[override]
+        if self.function_root and isinstance(a, torch.nn.Parameter) \
+                and not any(a is p for p in self.root.parameters()):
+            # a parameter the traced function closes over (``lambda x: x @ w``): attach it
+            # to the graph's root under a fresh name; a constant of the function
+            k = 0
+            while hasattr(self.root, f"param_{k}"):
+                k += 1
+            self.root.register_parameter(f"param_{k}", a)
+        return super().create_arg(a)
+
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
         fn = inspect.unwrap(root_fn)
         sig = inspect.signature(fn)
