@@ -19,7 +19,9 @@ KNOWN_WRONG: set[str] = set()
 
 # measured floor: pass + fallback out of the autograd-supporting OpInfos (raise it as rules
 # are added; never lower it)
-MIN_COVERED = 0.93
+MIN_COVERED = 0.955
+# measured floor of pass with hand-written rules alone (no fallback)
+MIN_HANDWRITTEN = 0.95
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,4 @@ def test_coverage_does_not_regress(results):
     t = coverage.totals(results)
     covered = (t["pass"] + t["fallback"]) / t["total"]
     assert covered >= MIN_COVERED, coverage.summary_line(results)
+    assert t["pass"] / t["total"] >= MIN_HANDWRITTEN, coverage.summary_line(results)

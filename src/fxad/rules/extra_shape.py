@@ -28,8 +28,8 @@ def _make_cast(method: str, complex_out: bool) -> None:
             return (torch.real(d) if complex_out and not input_is_complex else d),
 
         def samples(dtype):
-            if method in ("float", "half", "bfloat16", "chalf"):
-                return  # low precision: checked by the OpInfo sweep
+            if method in ("float", "half", "bfloat16", "chalf", "cfloat"):
+                return  # single/low precision (finite differences fail): the OpInfo sweep
             yield (uniform((3, 4), -2.0, 2.0, dtype),), {}
 
     builtin(getattr(torch.Tensor, method))(Cast)
