@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._base import builtin, randn
+from ._base import conj, builtin, randn
 from .registry import add_rule
 
 
@@ -441,7 +441,7 @@ class MultiDot:
         return torch.linalg.multi_dot(tensors), list(tensors)
 
     def bwd(aux, d):
-        ms = list(aux)
+        ms = [conj(m) for m in aux]  # (complex: the adjoint uses conjugates)
         shapes = [tuple(m.shape) for m in ms]
         if ms[0].dim() == 1:
             ms[0] = torch.unsqueeze(ms[0], 0)
@@ -489,7 +489,7 @@ class Det:
         return out_, (A, out_)
 
     def bwd(aux, d):
-        a, det = aux
+        a, det = conj(aux[0]), conj(aux[1])  # (complex: d_A = d conj(det A^{-T}))
         return (_sq(d * det) * torch.linalg.inv(a).mT,)
 
     def samples(dtype):
@@ -525,7 +525,7 @@ class DetOld:
         return out_, (input, out_)
 
     def bwd(aux, d):
-        a, det = aux
+        a, det = conj(aux[0]), conj(aux[1])  # (complex: d_A = d conj(det A^{-T}))
         return (_sq(d * det) * torch.linalg.inv(a).mT,)
 
     def samples(dtype):
@@ -776,7 +776,7 @@ class MatrixPower:
     d_A = -B^T d_B B^T (derivatives.yaml `linalg_matrix_power`)."""
 
     def bwd(aux, d):
-        a, n = aux
+        a, n = conj(aux[0]), aux[1]  # (complex: the adjoint uses conj(A))
         if n == 0:
             return None, None
         if n > 0:
