@@ -125,19 +125,42 @@ class C2C:
         return (_real_if(_fit_all(g, dims, sizes), real),)
 
 
-def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
+def _register_transform(op: Any, kind: str, aux_of: Any, bwd: Any, source: str,
+                        samples: Any) -> None:
+    """Register a rule for a torch.fft transform: ``kind`` "1" (``n``, ``dim``), "2" or "n"
+    (``s``, ``dim``).  Forward: the op, with ``aux_of(input, dims, n_or_s, norm)`` as
+    residuals; JVP: the op applied to the tangent (the transforms are linear)."""
     if kind == "1":
         def fwd(input, n=None, dim=-1, norm=None):
             out = op(input, n=n, dim=dim, norm=norm)
-            d = dim % input.dim()
-            return out, ([d], [input.shape[d]], norm, inverse, not input.is_complex())
+            return out, aux_of(input, [dim % input.dim()], n, norm)
 
         def jvp(primals, tangents):
             x, n, dim, norm = primals
             t = tangents[0]
             return op(x, n=n, dim=dim, norm=norm), \
                 (None if t is None else op(t, n=n, dim=dim, norm=norm))
+    else:
+        default_dim = (-2, -1) if kind == "2" else None
 
+        def fwd(input, s=None, dim=default_dim, norm=None):
+            out = op(input, s=s, dim=dim, norm=norm)
+            return out, aux_of(input, _nd_dims(input.dim(), s, dim), s, norm)
+
+        def jvp(primals, tangents):
+            x, s, dim, norm = primals
+            t = tangents[0]
+            return op(x, s=s, dim=dim, norm=norm), \
+                (None if t is None else op(t, s=s, dim=dim, norm=norm))
+
+    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True)
+
+
+def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
+    def aux_of(input, dims, size, norm):
+        return (dims, [input.shape[k] for k in dims], norm, inverse, not input.is_complex())
+
+    if kind == "1":
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"n": 10, "dim": 1, "norm": "ortho"}
@@ -146,20 +169,6 @@ def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
             yield (randn(1, dtype=dtype),), {}
             yield (randn(4, 5, dtype=dtype),), {"n": 7, "norm": "ortho"}
     else:
-        default_dim = (-2, -1) if kind == "2" else None
-
-        def fwd(input, s=None, dim=default_dim, norm=None):
-            out = op(input, s=s, dim=dim, norm=norm)
-            dims = _nd_dims(input.dim(), s, dim)
-            return out, (dims, [input.shape[k] for k in dims], norm, inverse,
-                         not input.is_complex())
-
-        def jvp(primals, tangents):
-            x, s, dim, norm = primals
-            t = tangents[0]
-            return op(x, s=s, dim=dim, norm=norm), \
-                (None if t is None else op(t, s=s, dim=dim, norm=norm))
-
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"s": (3, 10), "dim": (1, 2), "norm": "ortho"}
@@ -172,8 +181,7 @@ def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    add_rule(op, fwd, C2C.bwd, jvp=jvp, samples=samples, source=C2C.__doc__, builtin=True)
-
+    _register_transform(op, kind, aux_of, C2C.bwd, C2C.__doc__, samples)
 
 for _op, _inv, _kind in ((torch.fft.fft, False, "1"), (torch.fft.ifft, True, "1"),
                          (torch.fft.fft2, False, "2"), (torch.fft.ifft2, True, "2"),
@@ -201,26 +209,22 @@ class R2C:
         return (_fit_all(g, dims, sizes),)
 
 
-def _n_last(x: Any, dims: list[int], s: Any) -> int:
-    if s is not None and s[-1] != -1:
-        return s[-1]
+def _n_last(x: Any, dims: list[int], size: Any) -> int:
+    """Signal length along the last transformed dim: ``n`` (an int), ``s[-1]`` unless -1,
+    else the input's size."""
+    if isinstance(size, int):
+        return size
+    if size is not None and size[-1] != -1:
+        return size[-1]
     return x.shape[dims[-1]]
 
 
 def _register_r2c(op: Any, conj: bool, kind: str) -> None:
+    def aux_of(input, dims, size, norm):
+        return (dims, [input.shape[k] for k in dims], _n_last(input, dims, size),
+                _DUAL[norm] if conj else norm, conj)
+
     if kind == "1":
-        def fwd(input, n=None, dim=-1, norm=None):
-            out = op(input, n=n, dim=dim, norm=norm)
-            d = dim % input.dim()
-            nn = input.shape[d] if n is None else n
-            return out, ([d], [input.shape[d]], nn, _DUAL[norm] if conj else norm, conj)
-
-        def jvp(primals, tangents):
-            x, n, dim, norm = primals
-            t = tangents[0]
-            return op(x, n=n, dim=dim, norm=norm), \
-                (None if t is None else op(t, n=n, dim=dim, norm=norm))
-
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"n": 10, "dim": 1, "norm": "ortho"}
@@ -229,20 +233,6 @@ def _register_r2c(op: Any, conj: bool, kind: str) -> None:
             yield (randn(6, dtype=dtype), 9, 0), {}
             yield (randn(1, dtype=dtype),), {}
     else:
-        default_dim = (-2, -1) if kind == "2" else None
-
-        def fwd(input, s=None, dim=default_dim, norm=None):
-            out = op(input, s=s, dim=dim, norm=norm)
-            dims = _nd_dims(input.dim(), s, dim)
-            return out, (dims, [input.shape[k] for k in dims], _n_last(input, dims, s),
-                         _DUAL[norm] if conj else norm, conj)
-
-        def jvp(primals, tangents):
-            x, s, dim, norm = primals
-            t = tangents[0]
-            return op(x, s=s, dim=dim, norm=norm), \
-                (None if t is None else op(t, s=s, dim=dim, norm=norm))
-
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"s": (3, 10), "dim": (1, 2), "norm": "ortho"}
@@ -254,8 +244,7 @@ def _register_r2c(op: Any, conj: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    add_rule(op, fwd, R2C.bwd, jvp=jvp, samples=samples, source=R2C.__doc__, builtin=True)
-
+    _register_transform(op, kind, aux_of, R2C.bwd, R2C.__doc__, samples)
 
 for _op, _cj, _kind in ((torch.fft.rfft, False, "1"), (torch.fft.ihfft, True, "1"),
                         (torch.fft.rfft2, False, "2"), (torch.fft.ihfft2, True, "2"),
@@ -286,21 +275,11 @@ class C2R:
 
 
 def _register_c2r(op: Any, conj: bool, kind: str) -> None:
-    def aux_of(input, dims, norm):
+    def aux_of(input, dims, size, norm):
         return (dims, [input.shape[k] for k in dims], _DUAL[norm] if conj else norm, conj,
                 not input.is_complex())
 
     if kind == "1":
-        def fwd(input, n=None, dim=-1, norm=None):
-            out = op(input, n=n, dim=dim, norm=norm)
-            return out, aux_of(input, [dim % input.dim()], norm)
-
-        def jvp(primals, tangents):
-            x, n, dim, norm = primals
-            t = tangents[0]
-            return op(x, n=n, dim=dim, norm=norm), \
-                (None if t is None else op(t, n=n, dim=dim, norm=norm))
-
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"n": 10, "dim": 1, "norm": "ortho"}
@@ -311,18 +290,6 @@ def _register_c2r(op: Any, conj: bool, kind: str) -> None:
             yield (randn(6, dtype=dtype), 9, 0), {}
             yield (randn(2, dtype=dtype),), {}
     else:
-        default_dim = (-2, -1) if kind == "2" else None
-
-        def fwd(input, s=None, dim=default_dim, norm=None):
-            out = op(input, s=s, dim=dim, norm=norm)
-            return out, aux_of(input, _nd_dims(input.dim(), s, dim), norm)
-
-        def jvp(primals, tangents):
-            x, s, dim, norm = primals
-            t = tangents[0]
-            return op(x, s=s, dim=dim, norm=norm), \
-                (None if t is None else op(t, s=s, dim=dim, norm=norm))
-
         def samples(dtype):
             yield (randn(5, 6, 7, dtype=dtype),), {}
             yield (randn(5, 6, 7, dtype=dtype),), {"s": (3, 10), "dim": (1, 2), "norm": "ortho"}
@@ -335,8 +302,7 @@ def _register_c2r(op: Any, conj: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    add_rule(op, fwd, C2R.bwd, jvp=jvp, samples=samples, source=C2R.__doc__, builtin=True)
-
+    _register_transform(op, kind, aux_of, C2R.bwd, C2R.__doc__, samples)
 
 for _op, _cj, _kind in ((torch.fft.irfft, False, "1"), (torch.fft.hfft, True, "1"),
                         (torch.fft.irfft2, False, "2"), (torch.fft.hfft2, True, "2"),
