@@ -183,6 +183,7 @@ def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
 
     _register_transform(op, kind, aux_of, C2C.bwd, C2C.__doc__, samples)
 
+
 for _op, _inv, _kind in ((torch.fft.fft, False, "1"), (torch.fft.ifft, True, "1"),
                          (torch.fft.fft2, False, "2"), (torch.fft.ifft2, True, "2"),
                          (torch.fft.fftn, False, "n"), (torch.fft.ifftn, True, "n")):
@@ -246,6 +247,7 @@ def _register_r2c(op: Any, conj: bool, kind: str) -> None:
 
     _register_transform(op, kind, aux_of, R2C.bwd, R2C.__doc__, samples)
 
+
 for _op, _cj, _kind in ((torch.fft.rfft, False, "1"), (torch.fft.ihfft, True, "1"),
                         (torch.fft.rfft2, False, "2"), (torch.fft.ihfft2, True, "2"),
                         (torch.fft.rfftn, False, "n"), (torch.fft.ihfftn, True, "n")):
@@ -303,6 +305,7 @@ def _register_c2r(op: Any, conj: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
     _register_transform(op, kind, aux_of, C2R.bwd, C2R.__doc__, samples)
+
 
 for _op, _cj, _kind in ((torch.fft.irfft, False, "1"), (torch.fft.hfft, True, "1"),
                         (torch.fft.irfft2, False, "2"), (torch.fft.hfft2, True, "2"),
