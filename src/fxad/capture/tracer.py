@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InplaceError, InputError, SourceLoc
@@ -82,13 +83,8 @@ def _record_factories(tracer: "CaptureTracer") -> Iterator[None]:
             setattr(nn_grad, name, orig)
 
 
-def _trace_through_functional() -> set:
-    import torch.nn.functional as F
-    # composites of ops that have rules, whose single-node form would need a fallback
-    return {F.multi_head_attention_forward}
-
-
-_TRACE_THROUGH: set = set()
+# composites of ops that have rules, whose single-node form would need a fallback
+_TRACE_THROUGH = frozenset({F.multi_head_attention_forward})
 
 
 def _takes_callable(target: Any, args: tuple, kwargs: dict) -> bool:
@@ -98,8 +94,6 @@ def _takes_callable(target: Any, args: tuple, kwargs: dict) -> bool:
     (a composite of ops with rules)."""
     if not inspect.isfunction(target):
         return False
-    if not _TRACE_THROUGH:
-        _TRACE_THROUGH.update(_trace_through_functional())
     if target in _TRACE_THROUGH:
         return True
     return any(callable(v) and not isinstance(v, (torch.Tensor, fx.Proxy, type))
@@ -276,12 +270,17 @@ class CaptureTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
         if in_meta_computation():  # computing a leaf module's fake output: just run it
             return forward(*args, **kwargs)
-        if not self.is_leaf_module(m, "") and _stateless(m) \
-                and not any(mod is m for mod in self.root.modules()):
+        if not self.is_leaf_module(m, "") and _stateless(m) and not self._in_root(m):
             # a parameter-free module made outside the traced module (a distance function
             # passed as an argument): nothing to address, so trace its forward inline
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _in_root(self, m: torch.nn.Module) -> bool:
+        """``m`` is a submodule of the traced root (FX's module-path table when it has one)."""
+        if self.submodule_paths:
+            return m in self.submodule_paths
+        return any(mod is m for mod in self.root.modules())
 
     def path_of_module(self, mod: torch.nn.Module) -> str:
         try:

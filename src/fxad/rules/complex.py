@@ -14,8 +14,9 @@ cotangents as ``torch.autograd`` (checked by ``tests/test_complex.py`` through
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -273,6 +274,18 @@ def select(key: Any, rule: Any, node: fx.Node) -> Any:
     return complex_rule(key)
 
 
+@contextlib.contextmanager
+def _applied(name: str) -> Iterator[None]:
+    """Within the block, the rule ``name`` is applied to complex values (as if verified)."""
+    global VERIFIED
+    saved = VERIFIED
+    VERIFIED = saved | {name}
+    try:
+        yield
+    finally:
+        VERIFIED = saved
+
+
 def _complexify(v: Any, gen: torch.Generator) -> Any:
     if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
         return torch.complex(v, torch.randn(v.shape, dtype=v.dtype, generator=gen))
@@ -336,15 +349,12 @@ def check_rule(op: Any, rule: Any) -> str:
             and (o.is_floating_point() or o.is_complex()) else None, out)
         if isinstance(out, torch.Tensor):
             cot_arg = cots[0]
-        global VERIFIED
-        saved = VERIFIED
-        VERIFIED = saved | {name}  # apply the rule itself, not the fallback
+        xs0 = [x.detach() for x in xs]
         try:
-            got = fxad.vjp(fn, *[x.detach() for x in xs])(*[x.detach() for x in xs], cot_arg)[1]
+            with _applied(name):  # the rule itself, not the fallback
+                got = fxad.vjp(fn, *xs0)(*xs0, cot_arg)[1]
         except Exception:  # noqa: BLE001
             return "wrong"
-        finally:
-            VERIFIED = saved
         for g, w, x in zip(got, want, xs):
             w = torch.zeros_like(x) if w is None else w
             g = torch.zeros_like(x) if g is None else g
@@ -352,13 +362,11 @@ def check_rule(op: Any, rule: Any) -> str:
                 return "wrong"
         # forward mode through the transpose identity Re<v, J t> = Re<J^H v, t>
         tans = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in xs]
-        VERIFIED = saved | {name}
         try:
-            t_out = fxad.jvp(fn, *[x.detach() for x in xs])(*[x.detach() for x in xs], *tans)[1]
+            with _applied(name):
+                t_out = fxad.jvp(fn, *xs0)(*xs0, *tans)[1]
         except Exception:  # noqa: BLE001
             return "wrong"
-        finally:
-            VERIFIED = saved
         t_leaves = [t for t, o in zip(pytree.tree_leaves(t_out), pytree.tree_leaves(out))
                     if isinstance(o, torch.Tensor) and o.requires_grad
                     and (o.is_floating_point() or o.is_complex())]

@@ -22,11 +22,7 @@ import torch
 import torch.nn.grad as nn_grad
 
 from ._base import builtin, randn
-from .nn import _emit
-
-
-def _add(a: Any, b: Any) -> Any:
-    return b if a is None else (a if b is None else a + b)
+from .nn import _add, _emit
 
 
 def _make(nd: int) -> None:
