@@ -133,6 +133,41 @@ def test_unused_and_frozen_parameters():
     assert m.unused.weight.grad is None and m.frozen.weight.grad is None
 
 
+def test_parameters_are_graph_inputs_saved_with_version_checks():
+    model, inputs = _mlp()
+    m = fxad.compile(model)
+    part = m.partition(*inputs)
+    assert part.lifted_params and "getattr(self" not in part.fwd_gm.code
+    assert "self." not in part.bwd_gm.code.split("# saved tensors")[1]
+    for name in part.param_names:  # the forward takes each parameter by its code name
+        assert name.replace(".", "_") in part.fwd_gm.code.split(":")[0]
+    # parameters cost no saved bytes (the model holds them), but are saved for backward
+    code_names = {n.replace(".", "_") for n in part.param_names}
+    assert "fc2_weight" in part.saved_names
+    saved_nodes = part.fwd_gm.graph.output_node().args[0][part.n_outputs:]
+    assert part.saved_bytes == sum(fxad.residuals.nbytes(n) for n in saved_nodes
+                                   if n.name not in code_names) > 0
+    loss = m(*inputs)
+    with torch.no_grad():
+        model.fc2.weight.add_(1.0)  # in place between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_replaced_submodule_is_seen():
+    model, inputs = _mlp()
+    m = fxad.compile(model)
+    m(*inputs).backward()
+    model.fc1 = nn.Linear(model.fc1.in_features, model.fc1.out_features)
+    m(*inputs).backward()
+    assert model.fc1.weight.grad is not None
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.grad = None
+    ref(*inputs).backward()
+    torch.testing.assert_close(model.fc1.weight.grad, ref.fc1.weight.grad)
+
+
 def test_no_grad_runs_the_model():
     model, inputs = _mlp()
     fm = fxad.compile(model)
@@ -194,8 +229,9 @@ def test_min_memory_saves_no_more_and_recomputes_only_cheap_ops():
     mm = partition(g, "min_memory")
     assert save.recomputed == []
     assert mm.saved_bytes < save.saved_bytes
-    kinds = {n.name: fxad.residuals.op_kind(n) for n in g.graph.nodes}
-    assert mm.recomputed and all(kinds[r] in fxad.residuals.CHEAP_OPS for r in mm.recomputed)
+    by_name = {n.name: n for n in g.graph.nodes}
+    pol = Policy()
+    assert mm.recomputed and all(pol.choice(by_name[r]) == "cheap" for r in mm.recomputed)
     # the saved list is named and printed
     assert mm.fwd_gm.saved_names == mm.saved_names
     assert "# saved for backward" in mm.fwd_gm.code
@@ -204,6 +240,69 @@ def test_min_memory_saves_no_more_and_recomputes_only_cheap_ops():
     shown = fxad.show(mm.bwd_gm, file=open("/dev/null", "w"))
     assert "[saved " in shown  # saved bytes per backward block
     assert "saves" in mm.report()
+
+
+def _declared_cases():
+    from fxad.rules.registry import all_rules, op_name
+    out = []
+    for op, rule in all_rules().items():
+        if rule.builtin and rule.residuals is not None and rule.samples is not None:
+            out.append(pytest.param(rule, id=op_name(op)))
+    return out
+
+
+def _cube(x):
+    return x * x * x
+
+
+torch.fx.wrap("_cube")  # an FX leaf function, differentiated by a user rule below
+
+# training-mode dropout draws a mask: not among the rule's deterministic samples
+_EXTRA_SAMPLES = {F.dropout: [((torch.randn(3, 4, dtype=torch.float64), 0.5, True), {})]}
+
+
+@pytest.mark.parametrize("rule", _declared_cases())
+def test_rule_residual_declarations_match_the_split(rule):
+    """What a rule declares it saves (``residuals``) covers what its backward block reads
+    under the "save" policy, on every float64 sample; a rule declaring residuals reads some."""
+    from fxad.rules.registry import RESIDUAL_KINDS
+    declared = set() if rule.residuals == "nothing" else set(rule.residuals.split("+"))
+    read = 0
+    samples = list(rule.samples(torch.float64)) + _EXTRA_SAMPLES.get(rule.op, [])
+    for args, kwargs in samples:
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def f(*xs, _args=args, _kw=kwargs, _slots=slots):
+            a = list(_args)
+            for i, x in zip(_slots, xs):
+                a[i] = x
+            out = rule.op(*a, **_kw)
+            return out[0] if _kw.get("return_indices") else out
+
+        xs = [args[i] for i in slots]
+        argnums = tuple(k for k, x in enumerate(xs) if x.is_floating_point())
+        part = partition(fxad.vjp(f, *xs, argnums=argnums), "save")
+        for stmt, names, _, kind, decl in part.blocks:
+            if decl:  # the block of the rule under test (helpers carry no declaration)
+                assert decl == rule.residuals
+                actual = set() if kind == "nothing" else set(kind.split("+"))
+                assert actual <= declared, (stmt, kind, rule.residuals)
+                assert actual <= set(RESIDUAL_KINDS)
+                read += bool(actual)
+    assert bool(read) == bool(declared), "the rule's backward never read what it declares"
+
+
+def test_residual_declaration_is_validated_and_reported():
+    with pytest.raises(fxad.RuleError, match="residuals"):
+        fxad.register_vjp(_cube, fwd=lambda x: (_cube(x), x),
+                          bwd=lambda x, d: (3 * x * x * d,), residuals="everything")
+    fxad.register_vjp(_cube, fwd=lambda x: (_cube(x), x), bwd=lambda x, d: (3 * x * x * d,),
+                      residuals="output")  # wrong on purpose: it saves its input
+    try:
+        part = partition(fxad.vjp(lambda x: _cube(x).sum(), torch.randn(3)), "save")
+        assert "saves inputs (rule declares output)" in part.report()
+    finally:
+        fxad.unregister(_cube)
 
 
 def test_per_node_recompute_and_bad_policy():

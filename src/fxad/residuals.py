@@ -16,7 +16,9 @@ code of ``fwd_gm`` carries ``# saved for backward: ...`` above its ``return`` an
 ``# backward of: ...`` block header of ``bwd_gm`` ends with ``[saved N B: a, b]``, the
 saved tensors that block reads, so ``fxad.show(part.bwd_gm)`` reports saved bytes per block.
 :meth:`Partition.report` prints a table: per backward block, whether the residuals its rule
-reads are the op's *inputs*, its *output* or *other* forward values, and their bytes.
+reads are the op's *inputs*, its *output*, *intermediates* of its forward (statistics,
+indices) or *other* values (:func:`residual_kind`), beside the rule's own ``residuals``
+declaration (see :mod:`fxad.rules.registry`), and their bytes.
 
 Policies
 --------
@@ -42,9 +44,10 @@ themselves available.  ``policy`` chooses:
     effects are never recomputed; a ``"recompute"`` that cannot be honoured (an input
     placeholder) raises :class:`fxad.InputError`.
 
-Op-kind defaults can also be registered globally with :func:`set_residual_policy`
-(``set_residual_policy(torch.nn.functional.gelu, "save")``): this is how a rule states
-whether its residual is recomputed or saved.
+Which ops count as cheap comes from the rules: a rule declares ``recompute=True`` (every
+elementwise unary rule does) or ``recompute=False``; ops without a declaration are cheap when
+their name is in :data:`CHEAP_OPS`.  Op-kind defaults can also be set globally with
+:func:`set_residual_policy` (``set_residual_policy(torch.nn.functional.gelu, "save")``).
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ from .errors import InputError
 from .simplify._util import is_impure, is_random, resolve
 
 __all__ = ["Policy", "Partition", "partition", "op_kind", "set_residual_policy", "CHEAP_OPS",
-           "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes"]
+           "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes", "residual_kind"]
 
 ELEMENTWISE_OPS = frozenset({
     "add", "sub", "mul", "truediv", "div", "neg", "pow", "rsub", "floordiv", "mod",
@@ -150,9 +153,25 @@ class Policy:
             return self.by_op[kind]
         if kind in _GLOBAL_POLICY:
             return _GLOBAL_POLICY[kind]
-        if self.recompute_cheap and kind in CHEAP_OPS:
-            return "cheap"
-        return "save"
+        if not self.recompute_cheap:
+            return "save"
+        declared = _declared_recompute(node)
+        if declared is not None:
+            return "cheap" if declared else "save"
+        return "cheap" if kind in CHEAP_OPS else "save"
+
+
+def _declared_recompute(node: fx.Node) -> bool | None:
+    """The ``recompute`` declaration of the rule registered for ``node``'s op, if any."""
+    from .rules.registry import lookup
+
+    if node.op == "call_function":
+        rule = lookup(node.target)
+    elif node.op == "call_method":
+        rule = lookup(getattr(torch.Tensor, str(node.target), None))
+    else:
+        rule = None
+    return None if rule is None else rule.recompute
 
 
 def as_policy(policy: str | Policy | None) -> Policy:
@@ -171,6 +190,11 @@ def nbytes(node: fx.Node) -> int:
     return sum(int(v.numel()) * v.element_size()
                for v in pytree.tree_leaves(node.meta.get("val"))
                if isinstance(v, torch.Tensor))
+
+
+def _cost(node: fx.Node) -> int:
+    """Bytes that saving ``node`` adds: 0 for a lifted parameter (the model holds it)."""
+    return 0 if node.meta.get("fxad_param") else nbytes(node)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -293,7 +317,11 @@ class Partition:
         param_names: parameter names, in the order of ``bwd_gm``'s parameter gradients;
             ``param_has_grad``: False where the gradient is identically zero (unused
             parameter: autograd leaves its ``.grad`` at ``None``).
-        blocks: per backward block ``(forward statement, saved names, bytes, kind)``.
+        blocks: per backward block ``(forward statement, saved names, bytes, kind,
+            declared)``: ``kind`` from :func:`residual_kind` (plus ``" (recomputing)"`` when
+            the block recomputes forward values), ``declared`` the rule's ``residuals``
+            declaration (``""`` if none).
+        lifted_params: ``fwd_gm`` takes the parameters of ``param_names`` after the inputs.
     """
 
     fwd_gm: fx.GraphModule
@@ -307,16 +335,18 @@ class Partition:
     input_grads: list[bool]
     param_names: list[str]
     param_has_grad: list[bool]
-    blocks: list[tuple[str, list[str], int, str]]
+    blocks: list[tuple[str, list[str], int, str, str]]
+    lifted_params: bool = False
 
     def report(self) -> str:
         """Table of saved bytes per backward block, and the totals."""
         lines = [f"saved for backward: {len(self.saved_names)} values, "
                  f"{_fmt_bytes(self.saved_bytes)}; recomputed in backward: "
                  f"{len(self.recomputed)} nodes"]
-        for stmt, names, b, kind in self.blocks:
-            lines.append(f"  {_fmt_bytes(b):>10}  saves {kind:<13} {', '.join(names) or '-':<40}"
-                         f"  <- {stmt}")
+        for stmt, names, b, kind, decl in self.blocks:
+            note = f" (rule declares {decl})" if decl and decl != kind.split(" ")[0] else ""
+            lines.append(f"  {_fmt_bytes(b):>10}  saves {kind + note:<24} "
+                         f"{', '.join(names) or '-':<40}  <- {stmt}")
         return "\n".join(lines) + "\n"
 
 
@@ -340,10 +370,96 @@ def _statements(gm: fx.GraphModule) -> dict[str, str]:
     return found
 
 
-def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory") -> Partition:
+def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of ``vjp_gm`` whose reads of the parameters ``names`` (``get_attr`` nodes, under
+    any alias of a tied parameter) are placeholders, one per parameter, after the inputs."""
+    root = vjp_gm.meta.get("fxad_source_module") or vjp_gm
+    by_id: dict[int, str] = {}
+    for n in names:
+        try:
+            by_id[id(root.get_parameter(n))] = n
+        except AttributeError:
+            continue
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    nodes = list(vjp_gm.graph.nodes)
+    last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"
+                      and not n.meta.get("fxad_cotangent")), default=-1)
+    lifted: dict[str, fx.Node] = {}
+    readers: dict[str, fx.Node] = {}
+    for n in nodes:  # the first read of each parameter names its placeholder
+        if n.op == "get_attr":
+            try:
+                p = root.get_parameter(n.target)
+            except AttributeError:
+                continue
+            if id(p) in by_id:
+                readers.setdefault(by_id[id(p)], n)
+    for i, n in enumerate(nodes):
+        if n.op == "get_attr":
+            try:
+                key = by_id.get(id(root.get_parameter(n.target)))
+            except AttributeError:
+                key = None
+            if key is not None:
+                env[n] = lifted[key]
+                continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+        if i == last_input:
+            for name in names:
+                r = readers.get(name)
+                ph = g.placeholder(r.name if r is not None else name.replace(".", "_"))
+                ph.meta = dict(r.meta) if r is not None else {}
+                if "val" not in ph.meta:
+                    ph.meta["val"] = root.get_parameter(name).detach().to("meta")
+                ph.meta["fxad_param"] = name
+                lifted[name] = ph
+    out = fx.GraphModule(root, g, class_name=type(vjp_gm).__name__)
+    out.meta.update(vjp_gm.meta)
+    return out
+
+
+def residual_kind(graph: fx.Graph, value: fx.Node | None, reads: list[fx.Node]) -> str:
+    """Classify the forward values a backward block reads, relative to the rule that wrote
+    ``value`` (the forward node of the block): ``"inputs"`` (arguments of the rule's forward
+    nodes), ``"output"`` (``value`` and its items), ``"intermediates"`` (other nodes the
+    rule's ``fwd`` emitted, tagged ``meta['fxad_fwd_of']``) and ``"other"``; joined with
+    ``+`` in that order, ``"nothing"`` for no reads."""
+    if not reads:
+        return "nothing"
+    if value is None:
+        return "other"
+    own = {n for n in graph.nodes if n.meta.get("fxad_fwd_of") == value.name} | {value}
+    outputs = {value} | {u for u in value.users
+                         if u.op == "call_function" and u.target is operator.getitem}
+    args = {a for n in own for a in n.all_input_nodes} - own
+    kinds = set()
+    for r in reads:
+        if r in outputs:
+            kinds.add("output")
+        elif r in own:
+            kinds.add("intermediates")
+        elif r in args:
+            kinds.add("inputs")
+        else:
+            kinds.add("other")
+    return "+".join(k for k in ("inputs", "output", "intermediates", "other") if k in kinds)
+
+
+def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory", *,
+              lift_params: bool = False) -> Partition:
     """Split the graph of ``fxad.vjp(model_or_fn, *inputs)`` into forward and backward graphs
-    with the residual policy ``policy`` (see the module docstring)."""
+    with the residual policy ``policy`` (see the module docstring).
+
+    With ``lift_params``, the parameters that receive gradients are explicit inputs:
+    ``fwd_gm(*inputs, *params)`` (``params`` in the order of ``param_names``), and the
+    backward reads them as saved values (which cost no memory: the model holds them);
+    otherwise both graphs read them from the module (``self.fc.weight``).
+    """
     pol = as_policy(policy)
+    result = vjp_gm.graph.output_node().args[0]
+    if lift_params and len(result) > 2:
+        vjp_gm = _lift_params(vjp_gm, list(dict(result[2])))
     graph = vjp_gm.graph
     nodes = list(graph.nodes)
     out_node = nodes[-1]
@@ -413,7 +529,7 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
         else:
             c = pol.choice(v)
         choice[v] = c
-        flow.add(2 * i, 2 * i + 1, _INF if c == "recompute" else nbytes(v))
+        flow.add(2 * i, 2 * i + 1, _INF if c == "recompute" else _cost(v))
         if c == "save":
             flow.add(S, 2 * i, _INF)
         for a in v.all_input_nodes:
@@ -452,8 +568,10 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
         if n in inputs or (n in keep and n.op != "placeholder"):
             env[n] = fg.node_copy(n, lambda a: env[a])
     fg.output(tuple(env[x] for x in out_leaves) + tuple(env[s] for s in saved))
-    saved_total = sum(nbytes(s) for s in saved)
-    desc = [f"{s.name} {codegen.shape_note(s)} ({_fmt_bytes(nbytes(s))})" for s in saved]
+    saved_total = sum(_cost(s) for s in saved)
+    desc = [f"{s.name} {codegen.shape_note(s)} "
+            + ("(parameter)" if s.meta.get("fxad_param") else f"({_fmt_bytes(nbytes(s))})")
+            for s in saved]
     fg._codegen = _CommentCodeGen(
         tail=f"# saved for backward ({len(saved)} values, {_fmt_bytes(saved_total)}): "
              + ", ".join(s.name for s in saved))
@@ -478,6 +596,7 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
         return of
 
     block_reads: dict[str, list[fx.Node]] = {}
+    block_recomputes: set[str] = set()  # blocks that recompute forward values
 
     def reads_saved(n: fx.Node, label: str) -> None:
         for a in n.all_input_nodes:
@@ -499,6 +618,7 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
         for x in a.all_input_nodes:
             materialize(x, label)
         reads_saved(a, label)
+        block_recomputes.add(label)
         new = bg.node_copy(a, lambda x: benv[x])
         new.meta = dict(a.meta)
         new.meta["fxad_bwd_of"] = label
@@ -535,28 +655,22 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     bg.output(tuple(outs))
 
     # block headers: "<forward statement>  [saved N B: a, b]"
-    blocks: list[tuple[str, list[str], int, str]] = []
+    blocks: list[tuple[str, list[str], int, str, str]] = []
     fwd_by_name = {n.name: n for n in nodes}
+    declared: dict[str, str] = {}
+    for n in bwd:
+        if "fxad_residuals" in n.meta:
+            declared.setdefault(block_label(n), n.meta["fxad_residuals"])
     relabel: dict[str, str] = {}
     for label, reads in block_reads.items():
         fname = resolve(graph, label)
         stmt = stmts.get(fname, fname)
-        b = sum(nbytes(r) for r in reads)
-        fnode = fwd_by_name.get(fname)
-        kinds = set()
-        for r in reads:
-            if fnode is None:
-                kinds.add("other")
-            elif r is fnode or (r.op == "call_function" and r.target is operator.getitem
-                                and r.args[0] is fnode):
-                kinds.add("output")
-            elif r in fnode.all_input_nodes:
-                kinds.add("input")
-            else:
-                kinds.add("other")
-        kind = "+".join(k for k in ("input", "output", "other") if k in kinds)
+        b = sum(_cost(r) for r in reads)
+        kind = residual_kind(graph, fwd_by_name.get(fname), reads)
+        if label in block_recomputes:
+            kind += " (recomputing)"
         names = [r.name for r in reads]
-        blocks.append((stmt, names, b, kind))
+        blocks.append((stmt, names, b, kind, declared.get(label, "")))
         relabel[label] = f"{stmt}  [saved {_fmt_bytes(b)}: {', '.join(names)}]"
     for n in bg.nodes:
         of = n.meta.get("fxad_bwd_of")
@@ -579,4 +693,5 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
                      recomputed=[n.name for n in avail if n in recompute],
                      n_outputs=len(out_leaves), out_spec=out_spec,
                      float_outputs=float_outputs, input_grads=input_grads,
-                     param_names=param_names, param_has_grad=has_grad, blocks=blocks)
+                     param_names=param_names, param_has_grad=has_grad, blocks=blocks,
+                     lifted_params=lift_params and bool(param_names))

@@ -164,6 +164,12 @@ class _Plan:
         self.n_inputs = n_inputs
         self.autocast = autocast
         self.vjp_gm = vjp_gm
+        self.nondiff_outputs = [i for i, f in enumerate(part.float_outputs) if not f]
+        # the graphs' generated functions, called without nn.Module.__call__ (no hooks can be
+        # registered on these internal modules; the call machinery costs ~30 us per call)
+        self.run_fwd = part.fwd_gm.forward
+        self.run_bwd = part.bwd_gm.forward
+        self.param_refs: list[tuple[torch.nn.Module, str]] = []  # (owner, attribute) per param
 
 
 _SAVED = object()  # marks a slot filled from ctx.saved_tensors
@@ -176,15 +182,16 @@ class _Bridge(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *args: Any) -> Any:  # type: ignore[override]
         part = plan.part
-        inputs = args[:plan.n_inputs]
+        fwd_args = args if part.lifted_params else args[:plan.n_inputs]
         with _autocast(plan.autocast):
-            res = part.fwd_gm(*inputs)
+            res = plan.run_fwd(*fwd_args)
         outs, saved = res[:part.n_outputs], res[part.n_outputs:]
         del res
-        # inputs and outputs go through save_for_backward (version checks, no reference
-        # cycle through the output's grad_fn); intermediates are kept in a plain list that
-        # the backward graph consumes, so that each is freed after its last use there
-        pinned = {id(t) for t in (*inputs, *outs) if isinstance(t, torch.Tensor)}
+        # inputs, parameters and outputs go through save_for_backward (version checks: an
+        # in-place change before backward raises as in autograd; no reference cycle through
+        # the output's grad_fn); intermediates are kept in a plain list that the backward
+        # graph consumes, so that each is freed after its last use there
+        pinned = {id(t) for t in (*fwd_args, *outs) if isinstance(t, torch.Tensor)}
         slots: list[Any] = []
         to_save = []
         for s in saved:
@@ -197,9 +204,8 @@ class _Bridge(torch.autograd.Function):
         ctx.save_for_backward(*to_save)
         ctx.slots = slots
         ctx.plan = plan
-        nondiff = [o for o, f in zip(outs, part.float_outputs) if not f]
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
+        if plan.nondiff_outputs:
+            ctx.mark_non_differentiable(*(outs[i] for i in plan.nondiff_outputs))
         return tuple(outs) if len(outs) != 1 else outs[0]
 
     @staticmethod
@@ -217,7 +223,7 @@ class _Bridge(torch.autograd.Function):
         args.extend(d for d, f in zip(d_outs, part.float_outputs) if f)
         del d_outs
         with _autocast(plan.autocast):
-            grads = part.bwd_gm(args)
+            grads = plan.run_bwd(args)
         n = len(part.input_grads)
         in_g = list(grads[:n])
         for i, need in enumerate(ctx.needs_input_grad[1:1 + n]):
@@ -237,8 +243,27 @@ class FxadModule(torch.nn.Module):
         self.policy = policy
         self.leaf_modules = tuple(leaf_modules)
         self._plans: dict[Any, _Plan] = {}
+        self._structure: tuple[list, list, list] | None = None
 
     # ------------------------------------------------------------------ capture
+    def _modules_and_params(self) -> tuple[list, list]:
+        """The wrapped model's modules and parameters, cached; the cache is checked on every
+        call (each ``parent._modules[name] is child`` and ``owner._parameters[name] is p``)
+        and rebuilt when a submodule or parameter was replaced or added."""
+        st = self._structure
+        if st is not None:
+            links, mods, prefs = st
+            if all(par._modules.get(k) is ch for par, k, ch in links) and \
+                    all(o._parameters.get(k) is q for o, k, q in prefs):
+                return mods, prefs
+        mods = list(self.module.modules())
+        links = [(par, k, ch) for par in mods for k, ch in par._modules.items()]
+        prefs = [(o, k, q) for o in mods for k, q in o._parameters.items() if q is not None]
+        self._structure = (links, mods, prefs)
+        for plan in self._plans.values():
+            plan.param_refs = []  # owners may have changed
+        return mods, prefs
+
     def _signature(self, inputs: tuple) -> Any:
         sig = []
         for x in inputs:
@@ -246,8 +271,9 @@ class FxadModule(torch.nn.Module):
                 sig.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
             else:
                 sig.append(("const", repr(x)))
-        modes = tuple(m.training for m in self.module.modules())
-        trainable = tuple(p.requires_grad for p in self.module.parameters())
+        mods, prefs = self._modules_and_params()
+        modes = tuple(m.training for m in mods)
+        trainable = tuple(q.requires_grad for _, _, q in prefs)
         return tuple(sig), modes, trainable, autocast_state()
 
     def plan(self, *inputs: Any) -> _Plan:
@@ -261,10 +287,19 @@ class FxadModule(torch.nn.Module):
             f = _capture_for_autocast(self.module, inputs, self.leaf_modules)
             with _autocast(_no_autocast()):
                 g = _vjp(f, *inputs, argnums=argnums, leaf_modules=self.leaf_modules)
-            part = partition(g, self.policy)
+            part = partition(g, self.policy, lift_params=True)
             p = _Plan(part, len(inputs), _no_autocast(), g)
             self._plans[key] = p
         return p
+
+    def _params(self, plan: _Plan) -> list[torch.Tensor]:
+        """The live parameters of ``plan.part.param_names`` (read through their owning
+        module, so that a replaced parameter is seen)."""
+        if not plan.param_refs:
+            for name in plan.part.param_names:
+                owner, _, attr = name.rpartition(".")
+                plan.param_refs.append((self.module.get_submodule(owner), attr))
+        return [o._parameters[a] for o, a in plan.param_refs]
 
     def partition(self, *inputs: Any) -> Partition:
         """The forward/backward :class:`~fxad.residuals.Partition` used for ``inputs``."""
@@ -291,10 +326,13 @@ class FxadModule(torch.nn.Module):
             return self.module(*inputs)
         plan = self.plan(*inputs)
         part = plan.part
-        params = [self.module.get_parameter(n) for n in part.param_names]
+        params = self._params(plan)
         if not any(p.requires_grad for p in params) and not any(part.input_grads):
             return self.module(*inputs)
         out = _Bridge.apply(plan, *inputs, *params)
+        if part.n_outputs == 1 and part.out_spec.num_leaves == 1 and \
+                isinstance(out, torch.Tensor) and part.out_spec.type is None:
+            return out
         leaves = list(out) if isinstance(out, tuple) else [out]
         return pytree.tree_unflatten(leaves, part.out_spec)
 
@@ -314,9 +352,11 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
 
     The model is captured on first call for each input signature (shapes, dtypes,
     ``requires_grad``), set of ``training`` flags and autocast state; pass
-    ``example_inputs`` to capture eagerly.  Parameters and buffers are read from the live
-    model (optimizer updates are seen; they are not saved for backward, so modifying them
-    in place between forward and backward is not detected as autograd would).
+    ``example_inputs`` to capture eagerly.  Parameters are explicit inputs of the forward
+    graph, read from the live model on every call (optimizer updates and replaced parameters
+    are seen) and saved for backward as autograd saves them (an in-place change between
+    forward and backward raises); buffers are read and updated in the model.  Structure
+    changes (a replaced submodule) are detected on the next call.
 
     Args:
         policy: residual policy: ``"min_memory"`` (default: save least, recomputing only

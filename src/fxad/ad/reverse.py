@@ -21,6 +21,8 @@ Meta keys written on the VJP graph:
     on backward nodes: name of the forward node whose rule wrote them.
 ``fxad_bwd_src``
     on backward nodes: ``SourceLoc`` of that forward node in the user's code.
+``fxad_residuals``
+    on backward nodes: the ``residuals`` declaration of that rule, when it makes one.
 ``fxad_cot_of``
     on the node holding the total cotangent of a forward value: that value's name (used to
     name it ``d_<name>``).
@@ -317,6 +319,8 @@ class ReverseTransform:
             if isinstance(ct, fx.Proxy) and ct.node.op != "placeholder":
                 ct.node.meta.setdefault("fxad_cot_of", node.name)
             meta = {"fxad_bwd_of": node.name}
+            if entry.rule is not None and entry.rule.residuals is not None:
+                meta["fxad_residuals"] = entry.rule.residuals  # the rule's declaration
             if "fxad_loc" in node.meta:
                 meta["fxad_bwd_src"] = node.meta["fxad_loc"]
             with self.em.meta_defaults(**meta):

@@ -23,7 +23,7 @@ def builtin(*ops: Any) -> Callable[[type], type]:
         for op in ops:
             add_rule(op, _fn(d["fwd"]), _fn(d["bwd"]), jvp=_fn(d.get("jvp")),
                      samples=_fn(d.get("samples")), source=inspect.getdoc(cls) or "",
-                     builtin=True)
+                     builtin=True, residuals=d.get("residuals"), recompute=d.get("recompute"))
         return cls
 
     return deco
@@ -34,7 +34,7 @@ def _fn(f: Any) -> Any:
 
 
 def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], source: str,
-          domain: tuple[float, float] = (-2.0, 2.0)) -> None:
+          domain: tuple[float, float] = (-2.0, 2.0), residuals: str | None = None) -> None:
     """Register an elementwise unary rule ``y = op(x)`` with ``dx = dy * derivative(x_or_y)``.
 
     Args:
@@ -44,6 +44,10 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
             is ``derivative(saved) * d_out`` and the JVP ``derivative(saved) * t``.
         source: where the formula comes from.
         domain: range of sample inputs used by the tests.
+        residuals: the rule's residual declaration (see :mod:`fxad.rules.registry`);
+            default ``save`` (``"inputs"`` / ``"output"``); ``"inputs+output"`` when the
+            derivative written in the input calls the op again (the simplifier then reads
+            the forward's value).
     """
 
     def fwd(input: Any) -> tuple[Any, Any]:
@@ -63,7 +67,16 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
         yield (uniform((3, 4), lo, hi, dtype),), {}
         yield (uniform((), lo, hi, dtype),), {}
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True)
+    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True,
+             residuals=residuals or ("inputs" if save == "input" else "output"), recompute=True)
+
+
+def is_complex(x: Any) -> bool:
+    """Whether ``x`` (a tensor or proxy) holds complex values."""
+    import torch.fx as fx
+
+    v = x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
+    return isinstance(v, torch.Tensor) and v.is_complex()
 
 
 def conj(x: Any) -> Any:

@@ -75,15 +75,15 @@ unary(torch.deg2rad, save="input", derivative=lambda x: torch.full_like(x, math.
       source="deg2rad: grad * pi/180 (derivatives.yaml `deg2rad`)")
 unary(torch.rad2deg, save="input", derivative=lambda x: torch.full_like(x, 180 / math.pi),
       source="rad2deg: grad * 180/pi (derivatives.yaml `rad2deg`)")
-unary(torch.frac, save="input", derivative=torch.ones_like,
+unary(torch.frac, save="input", residuals="nothing", derivative=torch.ones_like,
       source="frac: grad (derivatives.yaml `frac`)")
-unary(torch.positive, save="input", derivative=torch.ones_like,
+unary(torch.positive, save="input", residuals="nothing", derivative=torch.ones_like,
       source="positive: identity")
 unary(torch.sgn, save="input", derivative=torch.zeros_like,
       source="sgn (real input): zero derivative (derivatives.yaml `sgn`)")
 unary(torch.i0, save="input", derivative=torch.special.i1,
       source="i0: grad * i1(x) (derivatives.yaml `i0`)")
-unary(torch.special.i0e, save="input",
+unary(torch.special.i0e, save="input", residuals="inputs+output",
       derivative=lambda x: torch.special.i1e(x) - torch.sign(x) * torch.special.i0e(x),
       source="special_i0e: grad * (i1e(x) - sgn(x) i0e(x)) (derivatives.yaml `special_i0e`)")
 unary(torch.special.ndtr, save="input",
@@ -93,15 +93,15 @@ unary(torch.special.ndtri, save="output",
       derivative=lambda y: _SQRT_2PI * torch.exp(0.5 * y * y), domain=(0.05, 0.95),
       source="special_ndtri: grad * sqrt(2 pi) exp(ndtri(x)^2/2) (derivatives.yaml "
              "`special_ndtri`)")
-unary(torch.special.log_ndtr, save="input",
+unary(torch.special.log_ndtr, save="input", residuals="inputs+output",
       derivative=lambda x: torch.exp(-0.5 * x * x - torch.special.log_ndtr(x)) / _SQRT_2PI,
       source="special_log_ndtr: grad * exp(-x^2/2 - log_ndtr(x))/sqrt(2 pi) (derivatives.yaml "
              "`special_log_ndtr`)")
-unary(torch.special.erfcx, save="input",
+unary(torch.special.erfcx, save="input", residuals="inputs+output",
       derivative=lambda x: 2 * x * torch.special.erfcx(x) - 2 / _SQRT_PI,
       source="special_erfcx: grad * (2 x erfcx(x) - 2/sqrt(pi)) (derivatives.yaml "
              "`special_erfcx`)")
-unary(torch.sinc, save="input",
+unary(torch.sinc, save="input", residuals="inputs+output",
       derivative=lambda x: torch.where(x == 0, 0.0, (torch.cos(math.pi * x) - torch.sinc(x)) / x),
       source="sinc: grad * (cos(pi x) - sinc(x)) / x, 0 at x = 0 (derivatives.yaml `sinc`)")
 unary(F.tanhshrink, save="input", derivative=lambda x: torch.tanh(x) ** 2,

@@ -42,6 +42,9 @@ class Matmul:
     """a @ b with numpy semantics (1-D operands, batch broadcasting): d_a = d @ b^T,
     d_b = a^T @ d (derivatives.yaml `matmul` → matmul_backward)."""
 
+    residuals = "inputs"
+    recompute = False
+
     def fwd(input, other):
         return input @ other, (input, other)
 
@@ -68,6 +71,9 @@ class Matmul:
 class Mm:
     """mm(a, b): d_a = d @ b^T, d_b = a^T @ d (derivatives.yaml `mm`)."""
 
+    residuals = "inputs"
+    recompute = False
+
     def fwd(input, mat2):
         return torch.mm(input, mat2), (input, mat2)
 
@@ -87,6 +93,9 @@ class Mm:
 @builtin(torch.bmm)
 class Bmm:
     """bmm(a, b): d_a = d @ b^T, d_b = a^T @ d per batch (derivatives.yaml `bmm`)."""
+
+    residuals = "inputs"
+    recompute = False
 
     def fwd(input, mat2):
         return torch.bmm(input, mat2), (input, mat2)
@@ -108,6 +117,9 @@ class Bmm:
 class Linear:
     """linear(x, W, b) = x W^T + b: d_x = d @ W, d_W = d^T x (leading dims flattened),
     d_b = d summed over leading dims (derivatives.yaml `linear` via addmm / matmul)."""
+
+    residuals = "inputs"
+    recompute = False
 
     def fwd(input, weight, bias=None):
         return F.linear(input, weight, bias), (input, weight)
@@ -148,6 +160,9 @@ class Linear:
 class Addmm:
     """addmm(c, a, b, beta, alpha) = beta c + alpha a @ b: d_c = beta d,
     d_a = alpha d @ b^T, d_b = alpha a^T @ d (derivatives.yaml `addmm`)."""
+
+    residuals = "inputs"
+    recompute = False
 
     def fwd(input, mat1, mat2, *, beta=1, alpha=1):
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha), (mat1, mat2, beta, alpha)

@@ -142,6 +142,9 @@ class Softmax:
     """y = softmax(x, dim): d_x = y * (d - sum(d * y, dim))
     (derivatives.yaml `_softmax`: _softmax_backward_data).  JVP: t_y = y * (t - sum(t * y))."""
 
+    residuals = "output"
+    recompute = False
+
     def fwd(input, dim, dtype=None):
         out = _softmax(input, dim, dtype)
         return out, (out, dim)
@@ -163,6 +166,9 @@ class LogSoftmax:
     """y = log_softmax(x, dim): d_x = d - exp(y) * sum(d, dim)
     (derivatives.yaml `_log_softmax`: _log_softmax_backward_data).
     JVP: t_y = t - sum(exp(y) * t, dim)."""
+
+    residuals = "output"
+    recompute = False
 
     def fwd(input, dim, dtype=None):
         out = _log_softmax(input, dim, dtype)
@@ -186,6 +192,9 @@ class FunctionalSoftmax:
     inputs, else 1, as ``F._get_softmax_dim``); same formula as ``torch.softmax``
     (derivatives.yaml `_softmax`)."""
 
+    residuals = "output"
+    recompute = False
+
     def fwd(input, dim=None, _stacklevel=3, dtype=None):
         dim = _softmax_dim(input.dim()) if dim is None else dim
         out = _softmax(input, dim, dtype)
@@ -205,6 +214,9 @@ class FunctionalSoftmax:
 class FunctionalLogSoftmax:
     """``F.log_softmax(x)`` kept by normalization (legacy implicit ``dim``); same formula as
     ``torch.log_softmax`` (derivatives.yaml `_log_softmax`)."""
+
+    residuals = "output"
+    recompute = False
 
     def fwd(input, dim=None, _stacklevel=3, dtype=None):
         dim = _softmax_dim(input.dim()) if dim is None else dim
@@ -243,6 +255,9 @@ class LayerNorm:
     ``normalized_shape`` dims (biased var).  With g = d * w:
     d_x = rstd * (g - mean(g) - xhat * mean(g * xhat)); d_w = d * xhat; d_b = d (the engine
     sums the leading dims) (derivatives.yaml `native_layer_norm`: layer_norm_backward)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
 
     def fwd(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         dims = tuple(range(input.dim() - len(tuple(normalized_shape)), input.dim()))
@@ -304,6 +319,9 @@ class BatchNorm:
     batchnorm_backward).  The forward calls ``F.batch_norm`` itself, so running statistics are
     updated in place exactly as in eager PyTorch; they are never differentiated in training
     mode (they do not affect the output)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
 
     def fwd(input, running_mean, running_var, weight=None, bias=None, training=False,
             momentum=0.1, eps=1e-5):
@@ -388,11 +406,15 @@ class BatchNorm:
 
 @builtin(F.embedding)
 class Embedding:
-    """y = weight[idx]: d_weight = zeros_like(weight).index_add(0, idx.flatten(), d rows);
+    """y = weight[idx]: d_weight = zeros_like(weight).index_add(0, idx.flatten(), d rows)
+    (with fused kernels on: ``torch.ops.aten.embedding_dense_backward``, one kernel);
     rows of ``padding_idx`` get no gradient; ``scale_grad_by_freq`` divides each row by how
     often its index occurs (derivatives.yaml `embedding`: embedding_dense_backward).  The
     gradient is dense even with ``sparse=True``.  ``max_norm`` (an in-place renormalization of
     the table during the forward) raises."""
+
+    residuals = "inputs"
+    recompute = False
 
     def fwd(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
             scale_grad_by_freq=False, sparse=False):
@@ -410,6 +432,11 @@ class Embedding:
 
     def bwd(aux, d):
         idx, n, padding_idx, by_freq = aux
+        if fused.enabled() and d.dtype.is_floating_point:
+            # one kernel that accumulates into a fresh table (the plain form below copies
+            # the zero table once more: index_add is out of place); docs/fused_kernels.md
+            return None, torch.ops.aten.embedding_dense_backward(
+                d, idx, n, -1 if padding_idx is None else padding_idx, by_freq)
         idx = idx.reshape(-1)
         rows = d.reshape(-1, d.shape[-1])
         if padding_idx is not None:
@@ -461,6 +488,9 @@ class Dropout:
     drawn with ``torch.rand_like``, so it differs from eager ``F.dropout``'s for the same seed
     (same distribution)."""
 
+    residuals = "intermediates"
+    recompute = False
+
     def fwd(input, p=0.5, training=True, inplace=False):
         return _dropout_fwd(input, p, training)
 
@@ -508,7 +538,8 @@ class CrossEntropy:
     * class-index targets t, per-sample coefficient a = d (none), d (sum) or d / W (mean,
       W = total weight of the non-ignored samples), masked by t != ignore_index:
       G = -a ((1 - eps) w[t] onehot(t) + (eps / C) w); without class weights this is the
-      closed form d_x = a (P - (1 - eps) onehot(t) - eps / C).
+      closed form d_x = a (P - (1 - eps) onehot(t) - eps / C), computed as
+      ``(a (P - eps / C)).scatter_add(1, t, -(1 - eps) a)`` (no (N, C) one-hot).
     * probability targets (float, shape of x): q = t (1 - eps) + eps / C, G = -a q w with
       a = d / (numel / C) for mean; d_t = -(1 - eps) a w log_softmax(x).
 
@@ -518,6 +549,9 @@ class CrossEntropy:
     (nll_loss_backward) and ATen's ``cross_entropy_loss_label_smoothing`` /
     ``cross_entropy_loss_prob_target`` (LossNLL.cpp).  The deprecated ``size_average`` /
     ``reduce`` flags are mapped onto ``reduction``."""
+
+    residuals = "inputs"
+    recompute = False
 
     def fwd(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
             reduction="mean", label_smoothing=0.0):
@@ -566,6 +600,16 @@ class CrossEntropy:
 
         valid = target != ignore_index
         t = torch.where(valid, target, 0)  # ignored samples point at class 0, masked below
+        if w is None:
+            # d_x = a (P - eps / C) - a (1 - eps) onehot(t): the one-hot term is scattered
+            # into the sample's target class instead of materializing a (N, C) one-hot
+            if reduction == "mean":
+                a = (d / valid.sum()) * valid
+            else:
+                a = d * valid
+            a = a.unsqueeze(cdim)
+            base = p * a if not eps else (p - eps / C) * a
+            return base.scatter_add(cdim, t.unsqueeze(cdim), a * -(1 - eps)), None, None
         onehot = F.one_hot(t, C)
         if cdim != x.dim() - 1:
             onehot = onehot.movedim(-1, cdim)
@@ -577,9 +621,6 @@ class CrossEntropy:
         else:
             a = d * valid
         a = a.unsqueeze(cdim)
-        if w is None:
-            target_mass = onehot if not eps else (1 - eps) * onehot + eps / C
-            return (p - target_mass) * a, None, None
         wmass = wt.unsqueeze(cdim) * onehot
         if eps:
             wmass = (1 - eps) * wmass + (eps / C) * wb
@@ -733,6 +774,9 @@ class ScaledDotProductAttention:
     (as PyTorch's math reference does; the mask differs from the fused kernel's for the same
     seed, with the same distribution): d_v = (P*M)^T d, dP = (d v^T) * M, then as above."""
 
+    residuals = "inputs+output+intermediates"
+    recompute = False
+
     def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False):
         group = _sdpa_check(query, key, enable_gqa)
@@ -867,6 +911,9 @@ class Conv2d:
     padding ('valid', symmetric 'same') is converted to integers; unbatched (C, H, W) inputs
     are supported."""
 
+    residuals = "inputs"
+    recompute = False
+
     def fwd(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         pad = _conv_padding(padding, weight.shape, dilation)
         out = torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
@@ -975,6 +1022,9 @@ class MaxPool2d:
     """y = max over each window: d_x = scatter_add of d at the argmax indices (from
     ``max_pool2d_with_indices``) into zeros of shape (N, C, H*W), exact for overlapping windows
     (derivatives.yaml `max_pool2d_with_indices`: max_pool2d_with_indices_backward)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
 
     def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
             return_indices=False):

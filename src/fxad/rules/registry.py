@@ -30,6 +30,17 @@ A rule for op ``f`` is a :class:`Rule` with
     a ``jvp`` gives shorter tangent code.
 ``samples(dtype) -> iterable of (args, kwargs)`` (optional)
     Example inputs used by the rule tests.
+``residuals`` (optional declaration)
+    What ``bwd`` reads from the forward: ``"inputs"`` (the op's arguments), ``"output"``
+    (its value), ``"intermediates"`` (other values its ``fwd`` computed: batch statistics,
+    pooling indices, a dropout mask), joined with ``+``, or ``"nothing"``.  A rule that
+    saves inputs recomputes what else it needs (``silu`` recomputes ``sigmoid(x)``).
+    :meth:`fxad.residuals.Partition.report` prints the declaration beside what the split
+    actually saves, and the rule tests check that they agree.
+``recompute`` (optional declaration)
+    Whether the op is cheap enough for the ``"min_memory"`` residual policy to recompute it
+    in the backward instead of saving it (True for elementwise ops and views; by default
+    decided from the op's name, see :data:`fxad.residuals.CHEAP_OPS`).
 
 Rule bodies are written in the public torch API: what they call is what the user reads in
 the generated code.
@@ -63,6 +74,8 @@ class Rule:
         source: where the formula comes from (textbook identity, paper, derivatives.yaml).
         params: parameter names of ``fwd`` (cotangents are matched to these).
         builtin: True for rules shipped with fxad.
+        residuals: declared residual kind (see the module docstring), or None.
+        recompute: declared recomputability (see the module docstring), or None.
     """
 
     op: Any
@@ -73,6 +86,8 @@ class Rule:
     source: str = ""
     params: tuple[str, ...] = field(default=())
     builtin: bool = False
+    residuals: str | None = None
+    recompute: bool | None = None
 
     @property
     def signature(self) -> inspect.Signature:
@@ -121,12 +136,31 @@ def _validate(op: Any, fwd: Any, bwd: Any) -> tuple[str, ...]:
     return tuple(sig.parameters)
 
 
+RESIDUAL_KINDS = ("inputs", "output", "intermediates")
+
+
+def check_residuals(op: Any, residuals: str | None) -> str | None:
+    """Validate a ``residuals`` declaration (see the module docstring); returns it."""
+    if residuals is None or residuals == "nothing":
+        return residuals
+    parts = residuals.split("+") if isinstance(residuals, str) else []
+    if not parts or any(p not in RESIDUAL_KINDS for p in parts) or len(set(parts)) != len(parts):
+        raise RuleError(f"rule for {op_name(op)}: residuals={residuals!r}; use 'nothing' or "
+                        f"kinds from {RESIDUAL_KINDS} joined with '+' (e.g. 'inputs+output')")
+    return "+".join(k for k in RESIDUAL_KINDS if k in parts)
+
+
 def add_rule(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = None,
              samples: Callable | None = None, source: str = "", builtin: bool = False,
-             replace: bool = False) -> Rule:
-    """Register a rule.  Raises :class:`RuleError` on a duplicate (unless ``replace``)."""
+             replace: bool = False, residuals: str | None = None,
+             recompute: bool | None = None) -> Rule:
+    """Register a rule.  Raises :class:`RuleError` on a duplicate (unless ``replace``) or a
+    malformed ``residuals`` declaration."""
     if op is None:
         raise RuleError("cannot register a rule for None")
+    residuals = check_residuals(op, residuals)
+    if recompute is not None and not isinstance(recompute, bool):
+        raise RuleError(f"rule for {op_name(op)}: recompute must be True, False or None")
     if op in _RULES and not replace and not _RULES[op].source.startswith("fallback:"):
         # (a fallback rule, see fxad.rules.fallback, is replaced silently)
         raise RuleError(
@@ -134,14 +168,15 @@ def add_rule(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
             "override it deliberately")
     params = _validate(op, fwd, bwd)
     rule = Rule(op=op, fwd=fwd, bwd=bwd, jvp=jvp, samples=samples, source=source,
-                params=params, builtin=builtin)
+                params=params, builtin=builtin, residuals=residuals, recompute=recompute)
     _RULES[op] = rule
     return rule
 
 
 def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = None, *,
                  jvp: Callable | None = None, samples: Callable | None = None,
-                 source: str = "", replace: bool = False) -> Any:
+                 source: str = "", replace: bool = False, residuals: str | None = None,
+                 recompute: bool | None = None) -> Any:
     """Register a VJP rule for ``op`` (a function, a ``torch.Tensor`` method, or a module class).
 
     Two spellings::
@@ -157,6 +192,7 @@ def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = No
                 x, y = aux
                 return d_out * y, d_out * x # one cotangent per fwd parameter
             # optional: def jvp(primals, tangents) / samples / source = "..."
+            # optional declarations: residuals = "inputs" / recompute = True
 
     For a module class marked as a leaf (``leaf_modules=``), ``fwd`` receives the module
     instance first and must return ``{param_name: cotangent}`` for it in ``bwd``.
@@ -167,7 +203,8 @@ def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = No
     if fwd is not None or bwd is not None:
         if fwd is None or bwd is None:
             raise RuleError(f"register_vjp({op_name(op)}): give both fwd= and bwd=")
-        return add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, replace=replace)
+        return add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, replace=replace,
+                        residuals=residuals, recompute=recompute)
 
     def deco(obj: Any) -> Any:
         f = obj.__dict__.get("fwd") if isinstance(obj, type) else None
@@ -178,7 +215,9 @@ def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = No
         j = _unwrap_static(obj.__dict__.get("jvp", jvp))
         s = _unwrap_static(obj.__dict__.get("samples", samples))
         src = obj.__dict__.get("source", source) or (inspect.getdoc(obj) or "")
-        add_rule(op, f, b, jvp=j, samples=s, source=src, replace=replace)
+        add_rule(op, f, b, jvp=j, samples=s, source=src, replace=replace,
+                 residuals=obj.__dict__.get("residuals", residuals),
+                 recompute=obj.__dict__.get("recompute", recompute))
         return obj
 
     return deco
