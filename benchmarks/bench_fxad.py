@@ -101,20 +101,27 @@ def autograd_step(model: torch.nn.Module, inputs: tuple) -> Step:
 
 
 def time_interleaved(steps: dict[str, Step], device: torch.device, repeats: int,
-                     warmup: int) -> dict[str, float]:
-    """Median seconds per call of each step, the steps run round-robin."""
+                     warmup: int, block: int = 1) -> dict[str, float]:
+    """Median seconds per call of each step, the steps run round-robin in blocks of
+    ``block`` consecutive calls (``repeats`` counted calls each).  With ``block > 1`` the
+    first call of each block is run but not counted: it pays for the other methods having
+    just reshaped the allocator's free lists and the caches, which a training loop running
+    one method does not see."""
     for _ in range(warmup):
         for s in steps.values():
             s()
     sync(device)
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(repeats):
+    while any(len(v) < repeats for v in times.values()):
         for k, s in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            s()
-            sync(device)
-            times[k].append(time.perf_counter() - t0)
+            if block > 1:
+                s()
+            for _ in range(min(block, repeats - len(times[k]))):
+                sync(device)
+                t0 = time.perf_counter()
+                s()
+                sync(device)
+                times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -13,7 +13,12 @@ in the same process, on identical copies of the model:
 
 A step is forward + backward up to the parameter gradients (``.grad`` reset to ``None``
 first for a-c; d returns them); the optimizer update is the same for all and is not timed.
-Times are medians over ``--repeats`` steps after ``--warmup``, the methods interleaved.
+Times are medians over ``--repeats`` steps after ``--warmup``, the methods interleaved in
+blocks of ``--block`` consecutive steps (default 10; the first step of each block is not
+counted), so that slow drifts of a shared machine hit all methods alike while each method
+runs as in a training loop, without another method's allocations between its steps.
+(``--block 1`` interleaves step by step; on the CPU that shifts the ratios by up to ~10%,
+as each method then runs on heap free lists and caches shaped by the others.)
 Ratios: ``t_a / t`` and ``t_c / t`` (> 1: faster than a / c).  Peak memory: as in
 ``bench_fxad.py`` (tensor bytes allocated during one step above the level at its start;
 CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events).
@@ -21,7 +26,8 @@ CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events).
 Usage::
 
     python benchmarks/bench_training.py [--device cpu|cuda] [--size small|full]
-        [--models mlp,resnet,gpt] [--dtypes fp32,bf16] [--no-compile] [--repeats 10]
+        [--models mlp,resnet,gpt] [--dtypes fp32,bf16] [--no-compile] [--repeats 30]
+        [--block 10]
         [--policy min_memory|save]
 """
 from __future__ import annotations
@@ -198,7 +204,7 @@ def bench(name: str, model: nn.Module, inputs: tuple, device: torch.device, bf16
         except Exception as e:
             steps.pop("d", None)
             row["notes"].append(f"d failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    times = time_interleaved(steps, device, args.repeats, args.warmup)
+    times = time_interleaved(steps, device, args.repeats, args.warmup, block=args.block)
     for k in "abcd":
         row[f"t_{k}"] = times.get(k)
         row[f"mem_{k}"] = peak_bytes(steps[k], device) if k in steps else None
@@ -223,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=["small", "full"], default=None)
     ap.add_argument("--models", default="mlp,resnet,gpt")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--policy", default="min_memory")
     ap.add_argument("--threads", type=int, default=None)
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, python {platform.python_version()}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-          + f", size {size}, policy {args.policy}, repeats {args.repeats}")
+          + f", size {size}, policy {args.policy}, repeats {args.repeats}, block {args.block}")
     print("a = eager autograd, b = fxad eager (autograd.Function bridge), "
           "c = torch.compile(model)+autograd, d = torch.compile(fxad joint graph)")
     rows = []

@@ -3,8 +3,13 @@
 :func:`compile` wraps a model so that ``loss = m(x); loss.backward(); opt.step()`` runs
 fxad's generated code: the forward graph of :func:`fxad.residuals.partition` runs in the
 forward of a ``torch.autograd.Function`` and saves the residuals, the backward graph runs in
-its backward.  The parameters are explicit inputs of that Function, so ``loss.backward()``
-fills their ``.grad`` exactly where autograd would (accumulating, ``None`` for unused ones).
+its backward.  The parameters are explicit inputs of that Function and of the forward graph
+(``partition(..., lift_params=True)``), so ``loss.backward()`` fills their ``.grad`` exactly
+where autograd would (accumulating, ``None`` for unused ones), and a parameter changed in
+place between forward and backward raises as in autograd.  Per call, the wrapper checks the
+input signature, the modules' ``training`` flags, parameters' ``requires_grad`` and that no
+submodule or parameter was replaced (cached identity checks, no module walk), then calls the
+two generated functions directly.
 
 :func:`joint_step` returns the whole training step (forward + backward, the code of
 :func:`fxad.grad`) as one callable, optionally through ``torch.compile``, so that inductor
