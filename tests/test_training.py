@@ -374,3 +374,19 @@ def test_bridge_cuda_autocast():
     inputs = tuple(t.cuda() for t in inputs)
     _train_both(model, inputs, steps=2)
     _train_both(model, inputs, steps=2, autocast=torch.bfloat16, atol=2e-2, device_type="cuda")
+
+
+def test_model_without_tensor_inputs():
+    class Const(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+        def forward(self):
+            return (self.w.sin() ** 2).sum()
+
+    torch.manual_seed(0)
+    model = Const()
+    m = fxad.compile(model)
+    m().backward()
+    torch.testing.assert_close(model.w.grad, 2 * model.w.sin() * model.w.cos())

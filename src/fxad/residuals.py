@@ -395,6 +395,18 @@ def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
                 continue
             if id(p) in by_id:
                 readers.setdefault(by_id[id(p)], n)
+    def add_placeholders() -> None:
+        for name in names:
+            r = readers.get(name)
+            ph = g.placeholder(r.name if r is not None else name.replace(".", "_"))
+            ph.meta = dict(r.meta) if r is not None else {}
+            if "val" not in ph.meta:
+                ph.meta["val"] = root.get_parameter(name).detach().to("meta")
+            ph.meta["fxad_param"] = name
+            lifted[name] = ph
+
+    if last_input < 0:  # a model without tensor inputs
+        add_placeholders()
     for i, n in enumerate(nodes):
         if n.op == "get_attr":
             try:
@@ -406,14 +418,7 @@ def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
                 continue
         env[n] = g.node_copy(n, lambda a: env[a])
         if i == last_input:
-            for name in names:
-                r = readers.get(name)
-                ph = g.placeholder(r.name if r is not None else name.replace(".", "_"))
-                ph.meta = dict(r.meta) if r is not None else {}
-                if "val" not in ph.meta:
-                    ph.meta["val"] = root.get_parameter(name).detach().to("meta")
-                ph.meta["fxad_param"] = name
-                lifted[name] = ph
+            add_placeholders()
     out = fx.GraphModule(root, g, class_name=type(vjp_gm).__name__)
     out.meta.update(vjp_gm.meta)
     return out

@@ -270,14 +270,21 @@ class ReverseTransform:
     def backward(self, out_node: fx.Node) -> list[str]:
         # cotangent placeholders, one per floating output leaf, in output order
         leaves, _ = pytree.tree_flatten(out_node.args[0])
-        last_ph = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        phs = [n for n in self.graph.nodes if n.op == "placeholder"]
         cot_names: list[str] = []
         self.cot_placeholders: list[Any] = []
-        insert_at = last_ph
+        # after the inputs; first in the graph for a function without inputs
+        insert_at: fx.Node | None = phs[-1] if phs else None
+
+        def inserting() -> Any:
+            if insert_at is None:
+                return self.graph.inserting_before(next(iter(self.graph.nodes)))
+            return self.graph.inserting_after(insert_at)
+
         for leaf in leaves:
             val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
             if isinstance(leaf, fx.Node) and is_float(val):
-                with self.graph.inserting_after(insert_at):
+                with inserting():
                     ph = self.graph.placeholder(f"d_{leaf.name}")
                 ph.meta["val"] = val
                 ph.meta["fxad_cotangent"] = True
@@ -295,7 +302,7 @@ class ReverseTransform:
                     if not is_float(part):
                         cts.append(None)
                         continue
-                    with self.graph.inserting_after(insert_at):
+                    with inserting():
                         ph = self.graph.placeholder(f"d_{leaf.name}_{i}")
                     ph.meta["val"] = part
                     ph.meta["fxad_cotangent"] = True
