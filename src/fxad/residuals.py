@@ -386,15 +386,18 @@ def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"
                       and not n.meta.get("fxad_cotangent")), default=-1)
     lifted: dict[str, fx.Node] = {}
-    readers: dict[str, fx.Node] = {}
-    for n in nodes:  # the first read of each parameter names its placeholder
+    param_of: dict[fx.Node, str] = {}  # get_attr node -> name of the parameter it reads
+    readers: dict[str, fx.Node] = {}  # the first read of each parameter names its placeholder
+    for n in nodes:
         if n.op == "get_attr":
             try:
-                p = root.get_parameter(n.target)
+                key = by_id.get(id(root.get_parameter(n.target)))
             except AttributeError:
-                continue
-            if id(p) in by_id:
-                readers.setdefault(by_id[id(p)], n)
+                key = None
+            if key is not None:
+                param_of[n] = key
+                readers.setdefault(key, n)
+
     def add_placeholders() -> None:
         for name in names:
             r = readers.get(name)
@@ -408,14 +411,9 @@ def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     if last_input < 0:  # a model without tensor inputs
         add_placeholders()
     for i, n in enumerate(nodes):
-        if n.op == "get_attr":
-            try:
-                key = by_id.get(id(root.get_parameter(n.target)))
-            except AttributeError:
-                key = None
-            if key is not None:
-                env[n] = lifted[key]
-                continue
+        if n in param_of:
+            env[n] = lifted[param_of[n]]
+            continue
         env[n] = g.node_copy(n, lambda a: env[a])
         if i == last_input:
             add_placeholders()

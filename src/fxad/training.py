@@ -335,8 +335,7 @@ class FxadModule(torch.nn.Module):
         if not any(p.requires_grad for p in params) and not any(part.input_grads):
             return self.module(*inputs)
         out = _Bridge.apply(plan, *inputs, *params)
-        if part.n_outputs == 1 and part.out_spec.num_leaves == 1 and \
-                isinstance(out, torch.Tensor) and part.out_spec.type is None:
+        if part.out_spec.is_leaf():  # a single tensor
             return out
         leaves = list(out) if isinstance(out, tuple) else [out]
         return pytree.tree_unflatten(leaves, part.out_spec)
