@@ -55,7 +55,7 @@ import operator
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -163,14 +163,12 @@ class Policy:
 
 def _declared_recompute(node: fx.Node) -> bool | None:
     """The ``recompute`` declaration of the rule registered for ``node``'s op, if any."""
+    from .ad.reverse import rule_key
     from .rules.registry import lookup
 
-    if node.op == "call_function":
-        rule = lookup(node.target)
-    elif node.op == "call_method":
-        rule = lookup(getattr(torch.Tensor, str(node.target), None))
-    else:
-        rule = None
+    if node.op not in ("call_function", "call_method"):
+        return None
+    rule = lookup(rule_key(node.graph.owning_module, node))
     return None if rule is None else rule.recompute
 
 
@@ -422,17 +420,18 @@ def _lift_params(vjp_gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     return out
 
 
-def residual_kind(graph: fx.Graph, value: fx.Node | None, reads: list[fx.Node]) -> str:
+def residual_kind(value: fx.Node | None, emitted: Iterable[fx.Node],
+                  reads: list[fx.Node]) -> str:
     """Classify the forward values a backward block reads, relative to the rule that wrote
-    ``value`` (the forward node of the block): ``"inputs"`` (arguments of the rule's forward
-    nodes), ``"output"`` (``value`` and its items), ``"intermediates"`` (other nodes the
-    rule's ``fwd`` emitted, tagged ``meta['fxad_fwd_of']``) and ``"other"``; joined with
-    ``+`` in that order, ``"nothing"`` for no reads."""
+    ``value`` (the forward node of the block) and ``emitted`` (the nodes its ``fwd`` wrote,
+    tagged ``meta['fxad_fwd_of']``): ``"inputs"`` (arguments of those nodes), ``"output"``
+    (``value`` and its items), ``"intermediates"`` (the other emitted nodes) and
+    ``"other"``; joined with ``+`` in that order, ``"nothing"`` for no reads."""
     if not reads:
         return "nothing"
     if value is None:
         return "other"
-    own = {n for n in graph.nodes if n.meta.get("fxad_fwd_of") == value.name} | {value}
+    own = set(emitted) | {value}
     outputs = {value} | {u for u in value.users
                          if u.op == "call_function" and u.target is operator.getitem}
     args = {a for n in own for a in n.all_input_nodes} - own
@@ -664,12 +663,16 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     for n in bwd:
         if "fxad_residuals" in n.meta:
             declared.setdefault(block_label(n), n.meta["fxad_residuals"])
+    emitted: dict[str, list[fx.Node]] = {}  # forward node name -> nodes its rule's fwd wrote
+    for n in nodes:
+        if "fxad_fwd_of" in n.meta:
+            emitted.setdefault(n.meta["fxad_fwd_of"], []).append(n)
     relabel: dict[str, str] = {}
     for label, reads in block_reads.items():
         fname = resolve(graph, label)
         stmt = stmts.get(fname, fname)
         b = sum(_cost(r) for r in reads)
-        kind = residual_kind(graph, fwd_by_name.get(fname), reads)
+        kind = residual_kind(fwd_by_name.get(fname), emitted.get(fname, ()), reads)
         if label in block_recomputes:
             kind += " (recomputing)"
         names = [r.name for r in reads]
