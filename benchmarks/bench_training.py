@@ -147,9 +147,9 @@ def autograd_step(model: nn.Module, inputs: tuple, device: torch.device, bf16: b
 
 
 def joint(model: nn.Module, inputs: tuple, device: torch.device, bf16: bool,
-          compile: bool) -> Callable:
+          compile: bool, policy: str = "min_memory") -> Callable:
     with _ctx(device, bf16):
-        s = fxad.joint_step(model, *inputs, compile=compile)
+        s = fxad.joint_step(model, *inputs, compile=compile, policy=policy)
     return lambda: s(*inputs)
 
 
@@ -196,7 +196,7 @@ def bench(name: str, model: nn.Module, inputs: tuple, device: torch.device, bf16
         try:
             m_d = copy.deepcopy(model)
             t0 = time.perf_counter()
-            steps["d"] = joint(m_d, inputs, device, bf16, compile=True)
+            steps["d"] = joint(m_d, inputs, device, bf16, compile=True, policy=args.policy)
             steps["d"]()
             steps["d"]()
             sync(device)
@@ -220,7 +220,7 @@ def _ratio(num: float | None, den: float | None) -> str:
 
 
 def _mb(b: float | None) -> str:
-    return "n/a" if b is None else f"{b / 2**20:8.1f}"
+    return "n/a" if b is None else f"{b / 2**20:8.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

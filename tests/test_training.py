@@ -367,6 +367,126 @@ def test_joint_step_torch_compile_matches():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
 
 
+def _autograd_grads(model, inputs, autocast=None):
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = ref(*inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}, ref
+
+
+def test_joint_graph_recomputes_after_the_forward():
+    model, inputs = _gpt()
+    step = joint_step(model, *inputs, compile=False)
+    gm, part = step.graph_module, step.partition
+    nodes = list(gm.graph.nodes)
+    seed = next(i for i, n in enumerate(nodes) if n.target is torch.ones_like)
+    recomputed = [i for i, n in enumerate(nodes) if n.meta.get("fxad_recomputed")]
+    assert part.recomputed and len(recomputed) == len(part.recomputed)
+    assert min(recomputed) > seed  # duplicated in the backward, not shared with the forward
+    # the forward reads no recomputed node; the header names the saved and recomputed values
+    assert all(i > seed for i, n in enumerate(nodes) for a in n.all_input_nodes
+               if a.meta.get("fxad_recomputed"))
+    code = gm.code
+    assert "# saved from forward to backward (%d values" % len(part.saved_names) in code
+    assert "gelu_recomputed" in code and "# recomputed in the backward" in code
+    assert "_weight_1 " not in code  # one get_attr per parameter
+    loss, _, grads = step(*inputs)
+    ref_loss, ref_grads, _ = _autograd_grads(model, inputs)
+    torch.testing.assert_close(loss, ref_loss)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["res", "gpt", "cnn"])
+def test_joint_step_policies_give_identical_gradients(case):
+    model, inputs = CASES[case]()
+    outs = {}
+    for policy in ("save", "min_memory", Policy(by_op={"relu": "recompute"})):
+        m = copy.deepcopy(model)
+        step = joint_step(m, *inputs, compile=False, policy=policy)
+        outs[str(policy)] = (step(*inputs), m)
+    (ref, ref_m), *rest = outs.values()
+    for (loss, _, grads), m in rest:
+        torch.testing.assert_close(loss, ref[0], rtol=0, atol=0)
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref[2][n], rtol=0, atol=0)
+        for b, rb in zip(m.buffers(), ref_m.buffers()):  # batch-norm statistics updated
+            torch.testing.assert_close(b, rb, rtol=0, atol=0)
+    if case == "res":
+        _, _, ref_model = _autograd_grads(model, inputs)
+        torch.testing.assert_close(ref_m.bn.running_mean, ref_model.bn.running_mean)
+        assert not torch.equal(ref_m.bn.running_mean, model.bn.running_mean)
+
+
+def test_joint_step_autocast_matches_eager_autocast():
+    model, inputs = _cnn()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = joint_step(copy.deepcopy(model), *inputs, compile=False)
+    assert ".to(torch.bfloat16)" in step.graph_module.code
+    loss, _, grads = step(*inputs)  # runs with autocast disabled: the casts are in the graph
+    ref_loss, ref_grads, _ = _autograd_grads(model, inputs, autocast=torch.bfloat16)
+    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    for n, g in ref_grads.items():
+        assert grads[n].dtype == g.dtype == torch.float32
+        torch.testing.assert_close(grads[n], g, atol=2e-2, rtol=5e-2)
+
+
+def test_joint_step_unused_parameter_and_input_grads():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 1)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x).sum()
+
+    m = M()
+    x = torch.randn(3, 4)
+    loss, in_grads, grads = joint_step(m, x, compile=False, argnums=(0,))(x)
+    assert torch.equal(grads["unused.weight"], torch.zeros(4, 4))
+    torch.testing.assert_close(in_grads[0], m.a.weight.detach().expand(3, 4))
+    assert list(grads) == [n for n, _ in m.named_parameters()]
+
+
+def test_joint_step_rejects_a_non_scalar_output():
+    with pytest.raises(fxad.InputError, match="one floating-point scalar"):
+        joint_step(nn.Linear(3, 2), torch.randn(4, 3), compile=False)
+
+
+def test_joint_step_inductor_options(monkeypatch):
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append(kw)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model, inputs = _mlp()
+    joint_step(model, *inputs)
+    joint_step(model, *inputs, options={"max_autotune": True})
+    joint_step(model, *inputs, mode="reduce-overhead")
+    joint_step(model, *inputs, compile="aot_eager")
+    assert seen[0] == {"backend": "inductor", "options": {"layout_optimization": False}}
+    assert seen[1]["options"] == {"max_autotune": True}
+    assert "options" not in seen[2] and "options" not in seen[3]
+
+
+def test_joint_step_compiled_conv_batch_norm_matches():
+    if not inductor_available():
+        pytest.skip("torch.compile (inductor) unavailable here")
+    model, inputs = _resblock()
+    m = copy.deepcopy(model)
+    step = joint_step(m, *inputs)
+    loss, _, grads = step(*inputs)
+    ref_loss, ref_grads, ref_m = _autograd_grads(model, inputs)
+    torch.testing.assert_close(loss, ref_loss)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(m.bn.running_var, ref_m.bn.running_var)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bridge_cuda_autocast():
     model, inputs = _gpt()

@@ -10,6 +10,12 @@ backward nodes tagged ``meta['fxad_bwd_of']``) and returns a :class:`Partition`:
   the forward nodes the policy chose to *recompute* (each one emitted just before its first
   use, under the header of the backward block that needs it).
 
+:func:`joint_graph` puts the two back into one graph, forward then backward, with the
+recomputations where ``bwd_gm`` has them: the whole training step for ``torch.compile``,
+whose saved set is the policy's (a single graph compiled as it comes keeps alive whatever
+its backward reads; duplicating the recomputed nodes after the forward is what lets a
+compiler free their inputs' results early).
+
 The residuals are a named, printed thing: ``part.saved_names`` lists them; the generated
 code of ``fwd_gm`` carries ``# saved for backward: ...`` above its ``return`` and
 ``bwd_gm``'s code lists them (with shapes and bytes) under its ``def`` line; every
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import textwrap
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -65,8 +72,8 @@ from . import codegen
 from .errors import InputError
 from .simplify._util import is_impure, is_random, resolve
 
-__all__ = ["Policy", "Partition", "partition", "op_kind", "set_residual_policy", "CHEAP_OPS",
-           "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes", "residual_kind"]
+__all__ = ["Policy", "Partition", "partition", "joint_graph", "op_kind", "set_residual_policy",
+           "CHEAP_OPS", "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes", "residual_kind"]
 
 ELEMENTWISE_OPS = frozenset({
     "add", "sub", "mul", "truediv", "div", "neg", "pow", "rsub", "floordiv", "mod",
@@ -320,6 +327,7 @@ class Partition:
             the block recomputes forward values), ``declared`` the rule's ``residuals``
             declaration (``""`` if none).
         lifted_params: ``fwd_gm`` takes the parameters of ``param_names`` after the inputs.
+        root: the module both graphs read their parameters and buffers from.
     """
 
     fwd_gm: fx.GraphModule
@@ -335,6 +343,7 @@ class Partition:
     param_has_grad: list[bool]
     blocks: list[tuple[str, list[str], int, str, str]]
     lifted_params: bool = False
+    root: Any = field(default=None, repr=False)
 
     def report(self) -> str:
         """Table of saved bytes per backward block, and the totals."""
@@ -700,4 +709,80 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
                      n_outputs=len(out_leaves), out_spec=out_spec,
                      float_outputs=float_outputs, input_grads=input_grads,
                      param_names=param_names, param_has_grad=has_grad, blocks=blocks,
-                     lifted_params=lift_params and bool(param_names))
+                     lifted_params=lift_params and bool(param_names), root=root)
+
+
+def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
+    """The forward and backward graphs of ``part`` as one graph: ``gm(*inputs) -> (value,
+    input_grads)``, plus ``param_grads`` (a dict by parameter name, zeros for unused
+    parameters) when ``with_params``; the same outputs as :func:`fxad.grad`.
+
+    The forward nodes come first, then ``ones_like`` seeds for the floating outputs (the
+    step differentiates ``value``; for a scalar loss, its gradient), then the backward
+    nodes with the recomputed forward nodes emitted just before their first use, as in
+    ``bwd_gm``.  The code lists the values that cross from forward to backward and the
+    recomputed ones under its ``def`` line.  Parameters and buffers are read from the model
+    (the graph module shares their tensors; batch-norm running statistics are updated in
+    place as by the model).
+
+    Raises:
+        fxad.InputError: ``part`` was made with ``lift_params=True`` (its forward graph
+            takes the parameters as inputs).
+    """
+    if part.lifted_params:
+        raise InputError("joint_graph needs a partition made with lift_params=False")
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attr_nodes: dict[str, fx.Node] = {}  # one get_attr per parameter/buffer
+    fwd_out: list[fx.Node] = []
+    for n in part.fwd_gm.graph.nodes:
+        if n.op == "output":
+            fwd_out = [env[a] for a in n.args[0]]
+            continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+        if n.op == "get_attr":
+            attr_nodes.setdefault(n.target, env[n])
+    outs, saved = fwd_out[:part.n_outputs], fwd_out[part.n_outputs:]
+    seeds = []
+    for o, is_float in zip(outs, part.float_outputs):
+        if is_float:
+            seed = g.call_function(torch.ones_like, (o,))
+            seed.meta = {"val": o.meta.get("val"), "fxad_bwd_of": o.name}
+            seeds.append(seed)
+    bph = [n for n in part.bwd_gm.graph.nodes if n.op == "placeholder"]
+    benv: dict[fx.Node, Any] = dict(zip(bph, saved + seeds))
+    grads: list[Any] = []
+    for n in part.bwd_gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            grads = [benv[a] if isinstance(a, fx.Node) else a for a in n.args[0]]
+            continue
+        if n.op == "get_attr" and n.target in attr_nodes:
+            benv[n] = attr_nodes[n.target]
+            continue
+        benv[n] = g.node_copy(n, lambda a: benv[a])
+        if n.meta.get("fxad_recomputed"):  # the forward has a node of that name
+            benv[n]._rename(f"{n.name}_recomputed")
+    n_in = len(part.input_grads)
+    result: list[Any] = [pytree.tree_unflatten(outs, part.out_spec), tuple(grads[:n_in])]
+    if with_params:
+        pgrads: dict[str, Any] = {}
+        for name, gr in zip(part.param_names, grads[n_in:]):
+            if gr is None:  # unused parameter: zeros, as fxad.grad returns
+                p = attr_nodes.get(name) or g.get_attr(name)
+                gr = g.call_function(torch.zeros_like, (p,))
+                gr.meta = {"fxad_bwd_of": "(unused parameter)"}
+            pgrads[name] = gr
+        result.append(pgrads)
+    g.output(tuple(result))
+    recomputed = [n.name for n in g.nodes if n.meta.get("fxad_recomputed")]
+    head = [f"# saved from forward to backward ({len(saved)} values, "
+            f"{_fmt_bytes(part.saved_bytes)}):"]
+    head += ["#   " + ln for ln in textwrap.wrap(", ".join(s.name for s in saved), 88)]
+    if recomputed:
+        head.append(f"# recomputed in the backward ({len(recomputed)}):")
+        head += ["#   " + ln for ln in textwrap.wrap(", ".join(recomputed), 88)]
+    g._codegen = _CommentCodeGen(head="\n".join(head))
+    codegen.install(g)
+    return fx.GraphModule(part.root, g, class_name="JointGraph")

@@ -12,8 +12,9 @@ submodule or parameter was replaced (cached identity checks, no module walk), th
 two generated functions directly.
 
 :func:`joint_step` returns the whole training step (forward + backward, the code of
-:func:`fxad.grad`) as one callable, optionally through ``torch.compile``, so that inductor
-can fuse across the forward/backward boundary.
+:func:`fxad.grad` with the residual policy's recomputations: :func:`fxad.residuals.joint_graph`)
+as one callable, optionally through ``torch.compile``, so that inductor can fuse across the
+forward/backward boundary.
 
 Mixed precision: a capture inside ``torch.autocast`` records autocast's result dtypes in
 ``meta['val']`` (the fake tensors go through the autocast dispatch key) but not its casts,
@@ -34,13 +35,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .api import grad as _grad
 from .api import trace as _trace
 from .api import vjp as _vjp
 from .errors import InputError
-from .residuals import Partition, Policy, op_kind, partition
+from .residuals import Partition, Policy, joint_graph, op_kind, partition
 
-__all__ = ["compile", "FxadModule", "joint_step", "autocast_state", "inductor_available",
+__all__ = ["compile", "FxadModule", "joint_step", "JOINT_INDUCTOR_OPTIONS", "autocast_state",
+           "inductor_available",
            "materialize_autocast"]
 
 
@@ -395,25 +396,55 @@ def inductor_available() -> bool:
     return _INDUCTOR_OK
 
 
+# inductor options joint_step adds unless given: see its docstring
+JOINT_INDUCTOR_OPTIONS = {"layout_optimization": False}
+
+
 def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                compile: bool | str = True, argnums: Any = (),
+               policy: str | Policy | None = "min_memory",
                leaf_modules: Iterable[type] = (), **compile_kwargs: Any) -> Callable:
     """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
-    param_grads)`` (the code of :func:`fxad.grad`), through ``torch.compile`` when
-    ``compile`` is true (``compile="aot_eager"`` etc. picks the backend), so inductor fuses
-    across the forward/backward boundary.
+    param_grads)`` (as :func:`fxad.grad` returns them: ``param_grads`` a dict by parameter
+    name, zeros for unused parameters; ``input_grads`` per input, ``None`` outside
+    ``argnums``), through ``torch.compile`` when ``compile`` is true (``compile="aot_eager"``
+    etc. picks the backend), so that inductor fuses across the forward/backward boundary.
+
+    The graph is :func:`fxad.residuals.joint_graph` of the residual ``policy``'s partition
+    (default ``"min_memory"``): forward, then backward with the cheap forward values the
+    policy recomputes duplicated before their use, so the compiled step keeps alive only the
+    policy's saved set (as AOTAutograd's partitioner does for two graphs).  Under inductor,
+    ``options`` default to :data:`JOINT_INDUCTOR_OPTIONS` (``layout_optimization=False``):
+    with one graph holding both a convolution's forward and its backward, inductor's
+    channels-last layout optimization stores an activation once per consumer that needs a
+    fixed layout (the next convolution, ``convolution_backward``, the residual add), which
+    on the ResNet benchmark raised the step's peak from 11.2 to 16.6 MiB and slowed it.
+    Passing ``options=`` or ``mode=`` replaces that default.
 
     Captured inside ``torch.autocast``, autocast's casts are explicit in the graph (see the
     module docstring) and the step runs with autocast disabled.  The uncompiled graph module
-    is ``step.graph_module``.
+    is ``step.graph_module``; ``step.partition`` is the partition it was built from.
+
+    Raises:
+        fxad.InputError: the model's output is not one floating-point scalar.
     """
     f = _capture_for_autocast(model, example_inputs, leaf_modules)
     state = _no_autocast()
     with _autocast(state):
-        g = _grad(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
+        v = _vjp(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
+    out = v.graph.output_node().args[0]
+    val = out[0].meta.get("val") if isinstance(out[0], fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
+        raise InputError("fxad.joint_step needs a model whose output is one floating-point "
+                         "scalar (the loss); use fxad.compile or fxad.vjp for other outputs")
+    part = partition(v, policy)
+    g = joint_graph(part, with_params=len(out) > 2)
     fn: Callable = g.forward
     if compile:
         backend = compile if isinstance(compile, str) else "inductor"
+        if backend == "inductor" and "options" not in compile_kwargs \
+                and "mode" not in compile_kwargs:
+            compile_kwargs["options"] = dict(JOINT_INDUCTOR_OPTIONS)
         fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
 
     def step(*inputs: Any) -> Any:
@@ -421,4 +452,5 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
             return fn(*inputs)
 
     step.graph_module = g  # type: ignore[attr-defined]
+    step.partition = part  # type: ignore[attr-defined]
     return step
