@@ -770,7 +770,7 @@ def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
         pgrads: dict[str, Any] = {}
         for name, gr in zip(part.param_names, grads[n_in:]):
             if gr is None:  # unused parameter: zeros, as fxad.grad returns
-                p = attr_nodes.get(name) or g.get_attr(name)
+                p = attr_nodes[name] if name in attr_nodes else g.get_attr(name)
                 gr = g.call_function(torch.zeros_like, (p,))
                 gr.meta = {"fxad_bwd_of": "(unused parameter)"}
             pgrads[name] = gr

@@ -161,6 +161,15 @@ def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type
     return gm
 
 
+def _vjp_graph(model: Any, inputs: tuple, argnums: Any,
+               leaf_modules: Iterable[type]) -> fx.GraphModule:
+    """``fxad.vjp`` of ``model`` as captured in the current autocast state (casts explicit),
+    differentiated with autocast off; run the result with ``_autocast(_no_autocast())``."""
+    f = _capture_for_autocast(model, inputs, leaf_modules)
+    with _autocast(_no_autocast()):
+        return _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules)
+
+
 class _Plan:
     """One capture of the model for one input signature: partition + bookkeeping."""
 
@@ -290,9 +299,7 @@ class FxadModule(torch.nn.Module):
             argnums = tuple(i for i, x in enumerate(inputs)
                             if isinstance(x, torch.Tensor) and x.requires_grad
                             and (x.is_floating_point() or x.is_complex()))
-            f = _capture_for_autocast(self.module, inputs, self.leaf_modules)
-            with _autocast(_no_autocast()):
-                g = _vjp(f, *inputs, argnums=argnums, leaf_modules=self.leaf_modules)
+            g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules)
             part = partition(g, self.policy, lift_params=True)
             p = _Plan(part, len(inputs), _no_autocast(), g)
             self._plans[key] = p
@@ -428,10 +435,8 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar.
     """
-    f = _capture_for_autocast(model, example_inputs, leaf_modules)
+    v = _vjp_graph(model, example_inputs, argnums, leaf_modules)
     state = _no_autocast()
-    with _autocast(state):
-        v = _vjp(f, *example_inputs, argnums=argnums, leaf_modules=leaf_modules)
     out = v.graph.output_node().args[0]
     val = out[0].meta.get("val") if isinstance(out[0], fx.Node) else None
     if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
