@@ -41,8 +41,7 @@ from .errors import InputError
 from .residuals import Partition, Policy, joint_graph, op_kind, partition
 
 __all__ = ["compile", "FxadModule", "joint_step", "JOINT_INDUCTOR_OPTIONS", "autocast_state",
-           "inductor_available",
-           "materialize_autocast"]
+           "inductor_available", "materialize_autocast"]
 
 
 def autocast_state(device_types: Iterable[str] = ("cpu", "cuda")) -> tuple:
