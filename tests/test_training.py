@@ -343,36 +343,37 @@ def test_autocast_matches_eager_autocast(case, dtype):
 
 # --------------------------------------------------------------------------- joint step
 
-def test_joint_step_uncompiled_matches_autograd():
-    model, inputs = _cnn()
-    ref = copy.deepcopy(model)
-    step = joint_step(model, *inputs, compile=False)
-    loss, _, grads = step(*inputs)
-    ref_loss = ref(*inputs)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach())
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
-
-
-def test_joint_step_torch_compile_matches():
-    if not inductor_available():
-        pytest.skip("torch.compile (inductor) unavailable here")
-    model, inputs = _mlp()
-    ref = copy.deepcopy(model)
-    step = joint_step(model, *inputs)
-    loss, _, grads = step(*inputs)
-    ref(*inputs).backward()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
-
-
 def _autograd_grads(model, inputs, autocast=None):
     ref = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         loss = ref(*inputs)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}, ref
+
+
+def _check_joint(step, model, inputs, *, autocast=None, atol=1e-5, rtol=1e-4, loss_tol=None):
+    """``step``'s loss (``assert_close``'s default tolerances unless ``loss_tol``) and
+    parameter gradients against autograd on a copy of ``model`` (as it was before ``step``
+    ran); returns that reference model."""
+    loss, _, grads = step(*inputs)
+    ref_loss, ref_grads, ref = _autograd_grads(model, inputs, autocast)
+    torch.testing.assert_close(loss, ref_loss, **(loss_tol or {}))
+    for n, g in ref_grads.items():
+        assert grads[n].dtype == g.dtype
+        torch.testing.assert_close(grads[n], g, atol=atol, rtol=rtol)
+    return ref
+
+
+def test_joint_step_uncompiled_matches_autograd():
+    model, inputs = _cnn()
+    _check_joint(joint_step(copy.deepcopy(model), *inputs, compile=False), model, inputs)
+
+
+def test_joint_step_torch_compile_matches():
+    if not inductor_available():
+        pytest.skip("torch.compile (inductor) unavailable here")
+    model, inputs = _mlp()
+    _check_joint(joint_step(copy.deepcopy(model), *inputs), model, inputs)
 
 
 def test_joint_graph_recomputes_after_the_forward():
@@ -391,11 +392,7 @@ def test_joint_graph_recomputes_after_the_forward():
     assert "# saved from forward to backward (%d values" % len(part.saved_names) in code
     assert "gelu_recomputed" in code and "# recomputed in the backward" in code
     assert "_weight_1 " not in code  # one get_attr per parameter
-    loss, _, grads = step(*inputs)
-    ref_loss, ref_grads, _ = _autograd_grads(model, inputs)
-    torch.testing.assert_close(loss, ref_loss)
-    for n, g in ref_grads.items():
-        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4)
+    _check_joint(step, model, inputs)
 
 
 @pytest.mark.parametrize("case", ["res", "gpt", "cnn"])
@@ -424,12 +421,9 @@ def test_joint_step_autocast_matches_eager_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         step = joint_step(copy.deepcopy(model), *inputs, compile=False)
     assert ".to(torch.bfloat16)" in step.graph_module.code
-    loss, _, grads = step(*inputs)  # runs with autocast disabled: the casts are in the graph
-    ref_loss, ref_grads, _ = _autograd_grads(model, inputs, autocast=torch.bfloat16)
-    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
-    for n, g in ref_grads.items():
-        assert grads[n].dtype == g.dtype == torch.float32
-        torch.testing.assert_close(grads[n], g, atol=2e-2, rtol=5e-2)
+    # runs with autocast disabled (the casts are in the graph); float32 gradients
+    _check_joint(step, model, inputs, autocast=torch.bfloat16, atol=2e-2, rtol=5e-2,
+                 loss_tol=dict(atol=2e-2, rtol=2e-2))
 
 
 def test_joint_step_unused_parameter_and_input_grads():
@@ -478,12 +472,7 @@ def test_joint_step_compiled_conv_batch_norm_matches():
         pytest.skip("torch.compile (inductor) unavailable here")
     model, inputs = _resblock()
     m = copy.deepcopy(model)
-    step = joint_step(m, *inputs)
-    loss, _, grads = step(*inputs)
-    ref_loss, ref_grads, ref_m = _autograd_grads(model, inputs)
-    torch.testing.assert_close(loss, ref_loss)
-    for n, g in ref_grads.items():
-        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4)
+    ref_m = _check_joint(joint_step(m, *inputs), model, inputs)
     torch.testing.assert_close(m.bn.running_var, ref_m.bn.running_var)
 
 
