@@ -444,6 +444,21 @@ def test_joint_step_unused_parameter_and_input_grads():
     assert list(grads) == [n for n, _ in m.named_parameters()]
 
 
+def test_joint_graph_folds_the_seed():
+    def f(x, w):
+        return (torch.tanh(x @ w) ** 2).sum()
+
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    step = joint_step(f, x, w, compile=False, argnums=(0, 1))
+    code = step.graph_module.code
+    assert "ones_like" not in code and "d_x = d_matmul @ t" in code
+    loss, (d_x, d_w) = step(x, w)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    f(xr, wr).backward()
+    torch.testing.assert_close(d_x, xr.grad)
+    torch.testing.assert_close(d_w, wr.grad)
+
+
 def test_joint_step_rejects_a_non_scalar_output():
     with pytest.raises(fxad.InputError, match="one floating-point scalar"):
         joint_step(nn.Linear(3, 2), torch.randn(4, 3), compile=False)

@@ -70,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from . import codegen
 from .errors import InputError
+from .simplify import dce, fold_algebra, fold_shapes
 from .simplify._util import is_impure, is_random, resolve
 
 __all__ = ["Policy", "Partition", "partition", "joint_graph", "op_kind", "set_residual_policy",
@@ -776,6 +777,11 @@ def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
             pgrads[name] = gr
         result.append(pgrads)
     g.output(tuple(result))
+    # fold the seed (``ones_like(loss) * x`` -> ``x``) and what it enables; no CSE, which
+    # would merge each recomputed node back into its forward twin
+    for _ in range(20):
+        if not fold_algebra(g) + fold_shapes(g) + dce(g):
+            break
     recomputed = [n.name for n in g.nodes if n.meta.get("fxad_recomputed")]
     head = [f"# saved from forward to backward ({len(saved)} values, "
             f"{_fmt_bytes(part.saved_bytes)}):"]
