@@ -721,8 +721,10 @@ def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
     The forward nodes come first, then ``ones_like`` seeds for the floating outputs (the
     step differentiates ``value``; for a scalar loss, its gradient), then the backward
     nodes with the recomputed forward nodes emitted just before their first use, as in
-    ``bwd_gm``.  The code lists the values that cross from forward to backward and the
-    recomputed ones under its ``def`` line.  Parameters and buffers are read from the model
+    ``bwd_gm``; then the seeds are folded (``ones_like(loss) * x`` becomes ``x``: the
+    algebra, shape and dead-code passes of :mod:`fxad.simplify`, not CSE, which would merge
+    each recomputed node back into its forward twin).  The code lists the values that cross
+    from forward to backward and the recomputed ones under its ``def`` line.  Parameters and buffers are read from the model
     (the graph module shares their tensors; batch-norm running statistics are updated in
     place as by the model).
 
