@@ -5,6 +5,7 @@ statistics, class weights of index targets), random ops (dropout), in-place runn
 updates, legacy arguments, error messages, and the forward-mode (JVP) rules."""
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 
@@ -136,6 +137,24 @@ def test_batch_norm_training_does_not_differentiate_running_stats():
     assert torch.count_nonzero(d_rm) == 0 and torch.count_nonzero(d_rv) == 0
     (ref,) = _autograd(lambda x: F.batch_norm(x, None, None, training=True), [x], cot)
     torch.testing.assert_close(d_x, ref)
+
+
+def test_batch_norm_fused_backward_reads_running_stats_only_in_eval():
+    # training: the backward kernel uses the batch statistics the forward saved; the running
+    # ones were just updated in place and are not read (nor kept alive) by the backward
+    for train in (True, False):
+        bn = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)).double().train(train)
+        x = _rand(4, 2, 6, 6)
+        ref = copy.deepcopy(bn)
+        gm = fxad.vjp(bn, x)
+        (node,) = [n for n in gm.graph.nodes
+                   if n.target is torch.ops.aten.native_batch_norm_backward]
+        stats = node.args[3:5]
+        assert all(s is None for s in stats) if train else all(s is not None for s in stats)
+        cot = _rand(4, 3, 4, 4)
+        (d_x,) = gm(x, cot)[1]
+        (d_ref,) = _autograd(ref, [x], cot)
+        torch.testing.assert_close(d_x, d_ref)
 
 
 def test_layer_norm_module():

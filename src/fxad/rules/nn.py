@@ -330,7 +330,10 @@ class BatchNorm:
             # (docs/fused_kernels.md); updates running statistics in place like F.batch_norm
             out, save_mean, save_invstd = torch.native_batch_norm(
                 input, weight, bias, running_mean, running_var, training, momentum, eps)
-            return out, ("fused", input, weight, bias is not None, running_mean, running_var,
+            # in training the backward kernel reads only the batch statistics (save_mean,
+            # save_invstd), not the running ones, which the forward has just updated
+            rm, rv = (None, None) if training is True else (running_mean, running_var)
+            return out, ("fused", input, weight, bias is not None, rm, rv,
                          save_mean, save_invstd, training, eps)
         out = F.batch_norm(input, running_mean, running_var, weight=weight, bias=bias,
                            training=training, momentum=momentum, eps=eps)
