@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-import warnings
-
 import math
+import warnings
 
 import pytest
 import torch
@@ -365,20 +364,32 @@ def test_max_pool2d_ties_route_to_one_input():
 
 # --- plain formulas (fused backward kernels switched off) ------------------------------------
 
+def _calls_fused_kernels(rule) -> bool:
+    try:
+        return "fused.enabled()" in inspect.getsource(rule.bwd)
+    except (OSError, TypeError):
+        return False
+
+
 def _nn_sample_cases():
+    """Samples of the nn rules and of every other rule whose backward has a fused branch
+    (relu, gelu, silu, ...)."""
     from fxad.rules.registry import op_name
     for op, rule in sorted(fxad.all_rules().items(), key=lambda kv: op_name(kv[0])):
-        if rule.samples is None or rule.fwd.__module__ != "fxad.rules.nn":
+        if rule.samples is None or not (rule.fwd.__module__ == "fxad.rules.nn"
+                                        or _calls_fused_kernels(rule)):
             continue
         torch.manual_seed(0)
         for i, (args, kwargs) in enumerate(rule.samples(DT)):
             yield pytest.param(op, args, kwargs, id=f"{op_name(op)}-{i}")
 
 
+@pytest.mark.parametrize("level", [False, "all"])
 @pytest.mark.parametrize("op,args,kwargs", list(_nn_sample_cases()))
-def test_plain_formulas_without_fused_kernels(op, args, kwargs):
-    """tests/test_rules.py checks the samples with the default (fused kernels allowed); this
-    checks the plain-torch formulas the rules write when they are switched off."""
+def test_formulas_at_other_fused_levels(op, args, kwargs, level):
+    """tests/test_rules.py checks the samples at the default level; this checks the
+    plain-torch formulas the rules write with fused kernels off, and the extra kernels of
+    level "all" (relu's threshold_backward)."""
     slots = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
     def fn(*xs):
@@ -387,8 +398,30 @@ def test_plain_formulas_without_fused_kernels(op, args, kwargs):
             a[i] = x
         return op(*a, **kwargs)
 
-    with fxad.fused_kernels(False):
+    with fxad.fused_kernels(level):
         fxad.check(fn, *[args[i] for i in slots])
+
+
+def test_fused_kernel_levels():
+    from fxad.rules import fused
+    assert fused.current() is True and fused.enabled() and not fused.enabled("all")
+    with fxad.fused_kernels("all"):
+        assert fused.current() == "all" and fused.enabled() and fused.enabled("all")
+        with fused.for_execution():
+            assert fused.current() == "all"
+        with fxad.fused_kernels(False):
+            assert not fused.enabled() and not fused.enabled("all")
+            with fused.for_execution():  # an explicit False is kept
+                assert fused.current() is False
+    assert fused.current() is True
+    for bad in ("fast", 2, None):
+        with pytest.raises(ValueError, match="use False, True or 'all'"):
+            with fxad.fused_kernels(bad):
+                pass
+    x = torch.randn(3, 4, dtype=DT)
+    with fxad.fused_kernels("all"):
+        assert "threshold_backward" in fxad.vjp(torch.relu, x).code
+    assert "threshold_backward" not in fxad.vjp(torch.relu, x).code
 
 
 # --- forward mode ---------------------------------------------------------------------------

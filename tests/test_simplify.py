@@ -134,3 +134,55 @@ def test_contiguous_dropped_only_when_strides_already_are():
     fold_shapes(g)
     dce(g)
     assert "contiguous" in _code(g)
+
+
+# --- in-place accumulation (not part of simplify(): for code that is run, not transformed) ---
+
+def _gm(g):
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_accumulate_in_place_before_after():
+    from fxad.simplify.inplace import accumulate_in_place
+
+    # a and b are fresh and read only by the sum: the first is reused
+    gm = _gm(_graph(lambda x, w: x @ w + x * 2, (4, 3), (3, 3)))
+    assert "add = matmul + mul" in _code(gm.graph)
+    assert accumulate_in_place(gm) == 1
+    assert "add = matmul.add_(mul)" in _code(gm.graph)
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    torch.testing.assert_close(gm(x, w), x @ w + x * 2)
+
+    # only the second operand is fresh (the first is an input): accumulate into the second
+    gm = _gm(_graph(lambda x, w: x + x @ w, (4, 3), (3, 3)))
+    assert accumulate_in_place(gm) == 1
+    assert "add = matmul.add_(x0)" in _code(gm.graph)
+    torch.testing.assert_close(gm(x, w), x + x @ w)
+
+
+def test_accumulate_in_place_leaves_unsafe_sums_alone():
+    from fxad.simplify.inplace import accumulate_in_place, is_fresh
+
+    cases = {
+        "inputs only": (lambda x, y: x + y, [(3,), (3,)]),
+        "a view": (lambda x, y: x.t() + y, [(2, 3), (3, 2)]),
+        "read again later": (lambda x, y: (lambda m: (m + y) * m)(x * 2), [(3,), (3,)]),
+        "broadcast into it": (lambda x, y: x * 2 + y, [(3,), (2, 3)]),
+        "promoted dtype": (lambda x, y: x * 2 + y.double(), [(3,), (3,)]),
+        "output": (lambda x, y: (lambda m: (m + y, m))(x * 2), [(3,), (3,)]),
+    }
+    for name, (build, shapes) in cases.items():
+        g = _graph(build, *shapes)
+        before = _code(g)
+        assert accumulate_in_place(_gm(g)) == 0, name
+        assert _code(g) == before, name
+    # results of ATen ops: fresh unless the schema says they alias an input
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3, 4)
+    vm = g.call_function(torch.ops.aten.var_mean.correction, (x, [0]))
+    vm.meta["val"] = (torch.empty(4), torch.empty(4))
+    mean = g.call_function(operator.getitem, (vm, 1))
+    view = g.call_function(torch.ops.aten.view.default, (x, [12]))
+    t = g.call_method("t", (x,))
+    assert is_fresh(mean) and not is_fresh(view) and not is_fresh(t) and not is_fresh(x)

@@ -9,7 +9,11 @@ where autograd would (accumulating, ``None`` for unused ones), and a parameter c
 place between forward and backward raises as in autograd.  Per call, the wrapper checks the
 input signature, the modules' ``training`` flags, parameters' ``requires_grad`` and that no
 submodule or parameter was replaced (cached identity checks, no module walk), then calls the
-two generated functions directly.
+two generated functions directly.  That code is built to run, not to be transformed again:
+relu's backward is the one-kernel ``threshold_backward`` (fused level ``"all"``,
+:mod:`fxad.rules.fused`) and cotangent sums accumulate in place into a fresh operand
+(``d_x = getitem_3.add_(d_y)``; :func:`fxad.simplify.inplace.accumulate_in_place`), as
+autograd's engine accumulates.
 
 :func:`joint_step` returns the whole training step (forward + backward, the code of
 :func:`fxad.grad` with the residual policy's recomputations: :func:`fxad.residuals.joint_graph`)
@@ -39,6 +43,8 @@ from .api import trace as _trace
 from .api import vjp as _vjp
 from .errors import InputError
 from .residuals import Partition, Policy, joint_graph, op_kind, partition
+from .rules import fused
+from .simplify.inplace import accumulate_in_place
 
 __all__ = ["compile", "FxadModule", "joint_step", "JOINT_INDUCTOR_OPTIONS", "autocast_state",
            "inductor_available", "materialize_autocast"]
@@ -163,9 +169,11 @@ def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type
 def _vjp_graph(model: Any, inputs: tuple, argnums: Any,
                leaf_modules: Iterable[type]) -> fx.GraphModule:
     """``fxad.vjp`` of ``model`` as captured in the current autocast state (casts explicit),
-    differentiated with autocast off; run the result with ``_autocast(_no_autocast())``."""
+    differentiated with autocast off; run the result with ``_autocast(_no_autocast())``.
+    The code is built to run, not to be read: fused backward kernels at level ``"all"``
+    (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
-    with _autocast(_no_autocast()):
+    with _autocast(_no_autocast()), fused.for_execution():
         return _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules)
 
 
@@ -300,6 +308,7 @@ class FxadModule(torch.nn.Module):
                             and (x.is_floating_point() or x.is_complex()))
             g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules)
             part = partition(g, self.policy, lift_params=True)
+            accumulate_in_place(part.bwd_gm)  # run once, never transformed again
             p = _Plan(part, len(inputs), _no_autocast(), g)
             self._plans[key] = p
         return p

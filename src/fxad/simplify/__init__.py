@@ -7,6 +7,9 @@ rewrites it made.  :func:`simplify` runs them in order until none changes anythi
 * :mod:`.cse` — common-subexpression elimination (never merges random ops)
 * :mod:`.algebra` — zero/one propagation: ``0 + t``, ``t * 1``, ``-(-t)``, ``t / 1`` ...
 * :mod:`.shapes` — redundant reshape / expand / transpose / cast folding
+
+Not in :data:`PASSES`: :mod:`.inplace` (cotangent sums accumulated in place), which makes a
+graph mutate tensors and is applied only to code that is run, not transformed again.
 """
 from __future__ import annotations
 
