@@ -16,7 +16,12 @@ Peak memory is the peak of the bytes *allocated by torch tensors* during one ste
 level at its start (inputs and parameters are not counted; gradients are): on CUDA
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, on CPU the running
 sum of the allocation/free events recorded by ``torch.profiler(profile_memory=True)``.
-It is not the process RSS (allocator caching and fragmentation are not included).
+It is not the process RSS (allocator caching and fragmentation are not included).  The
+previous step's gradients are released *before* the measured step (``setup``): on the CPU the
+profiler cannot size the free of a block allocated before it started, so freeing them inside
+the measured step would count the new gradients but not the release of the old ones (that
+inflated autograd's and torch.compile's CPU peaks by up to the parameters' size, depending on
+which blocks the profiler had seen before).
 
 Also printed: the time ``fxad.grad`` takes to build the gradient code of a 12-block TinyGPT.
 
@@ -97,6 +102,7 @@ def autograd_step(model: torch.nn.Module, inputs: tuple) -> Step:
         loss = model(*inputs)
         loss.backward()
         return loss
+    step.setup = lambda: model.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
     return step
 
 
@@ -125,9 +131,13 @@ def time_interleaved(steps: dict[str, Step], device: torch.device, repeats: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def peak_bytes(step: Step, device: torch.device) -> float | None:
+def peak_bytes(step: Step, device: torch.device,
+               setup: Callable[[], Any] | None = None) -> float | None:
     """Peak tensor bytes allocated during one call of ``step`` above the starting level
-    (see the module docstring); ``None`` if it cannot be measured."""
+    (see the module docstring), after ``setup()`` (run outside the measurement: release the
+    previous step's gradients there); ``None`` if it cannot be measured."""
+    if setup is not None:
+        setup()
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated(device)
@@ -198,7 +208,8 @@ def bench_case(case: Case, device: torch.device, repeats: int, warmup: int,
     times = time_interleaved(steps, device, repeats, warmup)
     for k in ("fxad", "autograd", "compile"):
         row[f"t_{k}"] = times.get(k)
-        row[f"mem_{k}"] = peak_bytes(steps[k], device) if k in steps else None
+        row[f"mem_{k}"] = peak_bytes(steps[k], device, getattr(steps[k], "setup", None)) \
+            if k in steps else None
     return row
 
 

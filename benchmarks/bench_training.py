@@ -136,13 +136,17 @@ def _ctx(device: torch.device, bf16: bool) -> Any:
 
 
 def autograd_step(model: nn.Module, inputs: tuple, device: torch.device, bf16: bool) -> Callable:
-    def step() -> Any:
+    def release_grads() -> None:
         for p in model.parameters():
             p.grad = None
+
+    def step() -> Any:
+        release_grads()
         with _ctx(device, bf16):
             loss = model(*inputs)
         loss.backward()
         return loss
+    step.setup = release_grads  # type: ignore[attr-defined]  # before a peak measurement
     return step
 
 
@@ -207,7 +211,8 @@ def bench(name: str, model: nn.Module, inputs: tuple, device: torch.device, bf16
     times = time_interleaved(steps, device, args.repeats, args.warmup, block=args.block)
     for k in "abcd":
         row[f"t_{k}"] = times.get(k)
-        row[f"mem_{k}"] = peak_bytes(steps[k], device) if k in steps else None
+        row[f"mem_{k}"] = peak_bytes(steps[k], device, getattr(steps[k], "setup", None)) \
+            if k in steps else None
     return row
 
 
