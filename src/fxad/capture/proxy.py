@@ -79,8 +79,7 @@ _SKIP_DIRS = tuple(os.path.join(d, "") for d in (
     os.path.join(_FXAD_DIR, "rules"), os.path.join(_FXAD_DIR, "simplify"),
     os.path.join(_FXAD_DIR, "codegen"), _TORCH_DIR))
 _SKIP_FILES = tuple(os.path.join(_FXAD_DIR, f) for f in (
-    "api.py", "check.py", "higher.py", "ops.py", "__init__.py", "coverage.py", "training.py",
-    "residuals.py"))
+    "api.py", "check.py", "higher.py", "ops.py", "__init__.py", "coverage.py", "training.py"))
 _SITE_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 

@@ -49,8 +49,7 @@ def fused_kernels(enable: bool | str) -> Iterator[None]:
     Raises:
         ValueError: ``enable`` is not ``False``, ``True`` or ``"all"``.
     """
-    if enable not in (False, True, "all") or (isinstance(enable, int)
-                                              and not isinstance(enable, bool)):
+    if not (isinstance(enable, bool) or enable == "all"):
         raise ValueError(f"fused_kernels({enable!r}): use False, True or 'all'")
     old = _STATE["level"]
     _STATE["level"] = _LEVELS[enable]
