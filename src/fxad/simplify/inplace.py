@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._util import same_type, val
+
 __all__ = ["accumulate_in_place", "is_fresh"]
 
 # torch-level callables whose result is always a new tensor (never an alias of an input)
@@ -61,11 +63,6 @@ def is_fresh(node: fx.Node) -> bool:
     return False
 
 
-def _val(a: Any) -> torch.Tensor | None:
-    v = a.meta.get("val") if isinstance(a, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def accumulate_in_place(gm: fx.GraphModule) -> int:
     """Rewrite ``c = a + b`` to ``c = a.add_(b)`` (or ``b.add_(a)``) where that operand is
     fresh (:func:`is_fresh`), read by nothing else, and already has ``c``'s shape, dtype and
@@ -76,14 +73,12 @@ def accumulate_in_place(gm: fx.GraphModule) -> int:
         if not (n.op == "call_function" and n.target in (operator.add, torch.add)
                 and len(n.args) == 2 and not n.kwargs):
             continue
-        out = _val(n)
-        if out is None:
-            continue
+        out = val(n)
         for acc, other in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
-            v = _val(acc)
-            if v is None or acc is other or len(acc.users) != 1 or not is_fresh(acc):
+            if not isinstance(acc, fx.Node) or acc is other or len(acc.users) != 1 \
+                    or not is_fresh(acc):
                 continue
-            if v.shape != out.shape or v.dtype != out.dtype or v.device != out.device:
+            if not same_type(val(acc), out) or val(acc).device != out.device:
                 continue
             n.op, n.target, n.args = "call_method", "add_", (acc, other)
             n_rewrites += 1
