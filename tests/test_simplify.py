@@ -186,3 +186,100 @@ def test_accumulate_in_place_leaves_unsafe_sums_alone():
     view = g.call_function(torch.ops.aten.view.default, (x, [12]))
     t = g.call_method("t", (x,))
     assert is_fresh(mean) and not is_fresh(view) and not is_fresh(t) and not is_fresh(x)
+
+
+class _ConvNet(torch.nn.Module):
+    """A shared-weight pair of convolutions (with and without bias) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.c2 = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.c2(torch.relu(self.c1(x))))
+        h = self.c2(h) + h  # c2's weight used twice: one gradient, summed
+        return self.fc(h.mean((2, 3))).sum()
+
+
+def _run_vjp(gm, *inputs):
+    """Run a VJP graph of a scalar function (cotangent 1) with autocast off, as fxad does."""
+    from fxad.training import _autocast, _no_autocast
+    seed = [n for n in gm.graph.nodes if n.op == "placeholder"][-1].meta["val"]
+    with _autocast(_no_autocast()):
+        return gm(*inputs, torch.ones((), dtype=seed.dtype))
+
+
+def test_channels_last_convolutions_before_after():
+    from fxad.simplify.layout import channels_last_convolutions
+    from fxad.training import _vjp_graph
+
+    torch.manual_seed(0)
+    model, x = _ConvNet(), torch.randn(2, 3, 5, 5)
+    for autocast in (None, torch.bfloat16):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+            gm = _vjp_graph(model, (x,), (), ())
+        before = gm.code
+        assert "channels_last" not in before
+        ref = _run_vjp(gm, x)
+        assert channels_last_convolutions(gm) == 2  # c1.weight, c2.weight; not fc's 2-D one
+        code = gm.code
+        if autocast is None:  # one channels-last copy per weight, gradients copied back
+            assert "c2_weight_nhwc = c2_weight.contiguous(memory_format = " \
+                   "torch.channels_last)" in code
+            assert code.count(" c2_weight.contiguous(") == 1
+            assert "d_c1_weight_nchw = d_c1_weight.contiguous(memory_format = " \
+                   "torch.contiguous_format)" in code
+        else:  # the casts do it
+            assert "c1_weight.to(torch.bfloat16, memory_format = torch.channels_last)" in code
+            assert ".to(torch.float32, memory_format = torch.contiguous_format)" in code
+        out = _run_vjp(gm, x)
+        torch.testing.assert_close(out[0], ref[0])
+        for name, g in ref[2].items():
+            assert out[2][name].is_contiguous(), name  # the parameter's layout
+            tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
+            torch.testing.assert_close(out[2][name], g, **tol, msg=name)
+        assert channels_last_convolutions(gm) == 0  # already channels-last: idempotent
+
+
+def test_channels_last_convolutions_leaves_other_weights_alone():
+    from fxad.simplify.layout import channels_last_convolutions
+    from fxad.training import _vjp_graph
+
+    def weight_is_an_input(x, w):  # not a parameter: its layout is the caller's
+        return torch.conv2d(x, w).sum()
+
+    x, w = torch.randn(1, 2, 4, 4), torch.randn(3, 2, 3, 3)
+    gm = _vjp_graph(weight_is_an_input, (x, w), (0, 1), ())
+    assert channels_last_convolutions(gm) == 0
+
+    conv1d = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3))  # 3-D weight
+    gm = _vjp_graph(lambda x: conv1d(x).sum(), (torch.randn(1, 2, 6),), (), ())
+    assert channels_last_convolutions(gm) == 0
+
+    class ReadTwice(torch.nn.Module):  # the weight also feeds a view: its gradient is a sum
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 2, 3, bias=False)
+
+        def forward(self, x):
+            return self.conv(x).sum() + (self.conv.weight.view(-1) ** 2).sum()
+
+    model, x = ReadTwice(), torch.randn(1, 2, 4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = _vjp_graph(model, (x,), (), ())
+    ref = _run_vjp(gm, x)
+    assert channels_last_convolutions(gm) == 1
+    code = gm.code  # the cast feeds only the convolutions; the view reads the parameter
+    assert "to_1 = conv_weight.to(torch.bfloat16, memory_format = torch.channels_last)" in code
+    assert "torch.reshape(conv_weight, (-1,))" in code
+    assert "d_conv_weight_nchw = d_conv_weight.contiguous(memory_format = " \
+           "torch.contiguous_format)" in code
+    out = _run_vjp(gm, x)
+    assert out[2]["conv.weight"].is_contiguous()
+    torch.testing.assert_close(out[2]["conv.weight"], ref[2]["conv.weight"])
+
+    # a 1x1 kernel's contiguous weight is already channels-last: nothing to move
+    gm = _vjp_graph(torch.nn.Conv2d(2, 2, 1), (torch.randn(1, 2, 3, 3),), (), ())
+    assert channels_last_convolutions(gm) == 0

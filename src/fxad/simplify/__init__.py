@@ -9,7 +9,9 @@ rewrites it made.  :func:`simplify` runs them in order until none changes anythi
 * :mod:`.shapes` — redundant reshape / expand / transpose / cast folding
 
 Not in :data:`PASSES`: :mod:`.inplace` (cotangent sums accumulated in place), which makes a
-graph mutate tensors and is applied only to code that is run, not transformed again.
+graph mutate tensors, and :mod:`.layout` (channels-last convolution weights on the CPU),
+which changes strides that other passes read from stale ``meta['val']``; both are applied
+only to code that is run, not transformed again.
 """
 from __future__ import annotations
 

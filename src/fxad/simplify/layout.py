@@ -1,0 +1,144 @@
+"""Channels-last convolution weights, for VJP graphs that are run on the CPU.
+
+oneDNN (mkldnn), which runs PyTorch's CPU convolutions, is faster on NHWC (channels-last)
+data than on NCHW, and a convolution runs NHWC when its input *or its weight* is
+channels-last; its output is then channels-last too, and so is everything elementwise
+downstream (batch norm, ReLU, residual adds), including the next convolution's input.  So
+storing only the 2-D convolution weights channels-last moves the whole network's
+activations and cotangents to NHWC, with no copy of any activation.
+
+:func:`channels_last_convolutions` does that inside a VJP graph (the output of
+:func:`fxad.vjp`'s graph builder: ``(outputs, input_grads, param_grads)``), for each
+parameter that is a 4-D contiguous CPU tensor used as a convolution weight (forward
+``torch.conv2d`` or ``convolution_backward``), directly or through one dtype cast:
+
+* a cast that feeds only convolutions casts to channels-last in the same copy,
+  ``w.to(torch.bfloat16, memory_format=torch.channels_last)``;
+* an uncast weight is copied once, ``w.contiguous(memory_format=torch.channels_last)``
+  (a cheap op: the residual policies recompute it rather than save it);
+* the parameter's gradient, channels-last like the weight the convolution saw, is returned
+  in the parameter's own (contiguous) layout: its final cast gains
+  ``memory_format=torch.contiguous_format``, else
+  ``.contiguous(memory_format=torch.contiguous_format)`` is appended.
+
+Values are unchanged; only strides differ, and oneDNN's NHWC kernels may round differently
+(gradients agree with autograd's NCHW ones to float tolerance, not bit for bit).  This is
+the layout change inductor makes for CPU convolutions ("layout optimization"), done at the
+source level, where no activation has to be stored twice.  Not part of
+:data:`fxad.simplify.PASSES`: :func:`fxad.joint_step` applies it by default on the CPU and
+:func:`fxad.compile` when asked (``channels_last=`` in both; :mod:`fxad.training` says why
+and gives the figures).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["channels_last_convolutions", "convolution_weight_slot"]
+
+_CONV_BACKWARD = (torch.ops.aten.convolution_backward,
+                  torch.ops.aten.convolution_backward.default)
+
+
+def convolution_weight_slot(n: fx.Node) -> int | None:
+    """Position of the weight among ``n.args`` when ``n`` is a 2-D convolution (forward
+    ``torch.conv2d`` or ATen ``convolution_backward``), else None."""
+    if n.op != "call_function":
+        return None
+    if n.target is torch.conv2d or n.target is torch.nn.functional.conv2d:
+        return 1 if len(n.args) > 1 else None
+    if n.target in _CONV_BACKWARD:
+        return 2
+    return None
+
+
+def _is_dtype_cast(n: fx.Node) -> bool:
+    """``x.to(dtype)`` with nothing else (no device, no memory format)."""
+    return (n.op == "call_method" and n.target == "to" and len(n.args) == 2
+            and isinstance(n.args[1], torch.dtype) and not n.kwargs)
+
+
+def _param(gm: fx.GraphModule, n: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads, when it is a 4-D contiguous floating CPU
+    tensor (a weight this pass may move to channels-last)."""
+    if not isinstance(n, fx.Node) or n.op != "get_attr":
+        return None
+    try:
+        t = operator.attrgetter(n.target)(gm)
+    except AttributeError:
+        return None
+    ok = (isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+          and t.device.type == "cpu" and t.is_contiguous()
+          and not t.is_contiguous(memory_format=torch.channels_last))
+    return t if ok else None
+
+
+def _restride(n: fx.Node, memory_format: torch.memory_format) -> None:
+    """Give ``n.meta['val']`` (a fake tensor) the strides of ``memory_format``."""
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        n.meta["val"] = v.contiguous(memory_format=memory_format)
+
+
+def channels_last_convolutions(gm: fx.GraphModule) -> int:
+    """Move the 2-D convolution weights of the VJP graph ``gm`` to channels-last (see the
+    module docstring); returns the number of parameters moved (and recompiles ``gm`` when
+    there are any)."""
+    graph = gm.graph
+    out = graph.output_node()
+    result = out.args[0]
+    if not (isinstance(result, (tuple, list)) and len(result) > 2
+            and isinstance(result[2], dict)):
+        return 0  # no parameter gradients in this graph: nothing to keep consistent
+    moved: set[str] = set()
+    nhwc: dict[fx.Node, fx.Node] = {}  # parameter -> its channels-last copy (one per weight)
+    for conv in list(graph.nodes):
+        slot = convolution_weight_slot(conv)
+        if slot is None:
+            continue
+        w = conv.args[slot]
+        if not isinstance(w, fx.Node):
+            continue
+        if _is_dtype_cast(w) and _param(gm, w.args[0]) is not None \
+                and all(convolution_weight_slot(u) is not None and u.args[convolution_weight_slot(u)] is w
+                        for u in w.users):
+            w.kwargs = {"memory_format": torch.channels_last}
+            _restride(w, torch.channels_last)
+            moved.add(w.args[0].target)
+        elif _param(gm, w) is not None:
+            w_cl = nhwc.get(w)
+            if w_cl is None:
+                with graph.inserting_before(conv):
+                    w_cl = graph.create_node("call_method", "contiguous", (w,),
+                                             {"memory_format": torch.channels_last},
+                                             name=f"{w.name}_nhwc")
+                w_cl.meta = dict(w.meta)
+                _restride(w_cl, torch.channels_last)
+                nhwc[w] = w_cl
+            conv.args = conv.args[:slot] + (w_cl,) + conv.args[slot + 1:]
+            moved.add(w.target)
+    if not moved:
+        return 0
+    grads = dict(result[2])
+    for name in sorted(moved):
+        g = grads.get(name)
+        if not isinstance(g, fx.Node):
+            continue
+        # (an explicit memory_format: the simplifier drops a bare .contiguous() of a value
+        # whose recorded strides, from before this pass, are contiguous)
+        if _is_dtype_cast(g) and len(g.users) == 1:
+            g.kwargs = {"memory_format": torch.contiguous_format}
+        else:
+            with graph.inserting_after(g):
+                g_c = graph.create_node("call_method", "contiguous", (g,),
+                                        {"memory_format": torch.contiguous_format},
+                                        name=f"{g.name}_nchw")
+            g_c.meta = dict(g.meta)
+            grads[name] = g_c
+    out.args = ((*result[:2], grads, *result[3:]),)
+    graph.lint()
+    gm.recompile()
+    return len(moved)
