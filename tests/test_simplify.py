@@ -238,7 +238,7 @@ def test_channels_last_convolutions_before_after():
         torch.testing.assert_close(out[0], ref[0])
         for name, g in ref[2].items():
             assert out[2][name].is_contiguous(), name  # the parameter's layout
-            tol = dict(atol=2e-2, rtol=2e-2) if autocast else {}
+            tol = {"atol": 2e-2, "rtol": 2e-2} if autocast else {}
             torch.testing.assert_close(out[2][name], g, **tol, msg=name)
         assert channels_last_convolutions(gm) == 0  # already channels-last: idempotent
 

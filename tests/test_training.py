@@ -503,7 +503,7 @@ def test_joint_step_channels_last_convolutions():
     code = step.graph_module.code
     assert "conv_weight_nhwc = conv_weight.contiguous(memory_format = torch.channels_last)" \
         in code  # on by default where oneDNN runs the CPU convolutions
-    loss, _, grads = step(*inputs)
+    _, _, grads = step(*inputs)
     assert grads["conv.weight"].is_contiguous()
     _check_joint(joint_step(copy.deepcopy(model), *inputs, compile=False), model, inputs)
     off = joint_step(copy.deepcopy(model), *inputs, compile=False, channels_last=False)

@@ -31,11 +31,12 @@ and gives the figures).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from ..capture.proxy import fetch_attr
 
 __all__ = ["channels_last_convolutions", "convolution_weight_slot"]
 
@@ -61,19 +62,27 @@ def _is_dtype_cast(n: fx.Node) -> bool:
             and isinstance(n.args[1], torch.dtype) and not n.kwargs)
 
 
-def _param(gm: fx.GraphModule, n: Any) -> torch.Tensor | None:
-    """The tensor a ``get_attr`` node reads, when it is a 4-D contiguous floating CPU
-    tensor (a weight this pass may move to channels-last)."""
+def _movable(gm: fx.GraphModule, n: Any) -> bool:
+    """Whether ``n`` reads (``get_attr``) a 4-D contiguous floating CPU tensor that is not
+    already channels-last: a weight this pass may move."""
     if not isinstance(n, fx.Node) or n.op != "get_attr":
-        return None
+        return False
     try:
-        t = operator.attrgetter(n.target)(gm)
+        t = fetch_attr(gm, n.target)
     except AttributeError:
-        return None
-    ok = (isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
-          and t.device.type == "cpu" and t.is_contiguous()
-          and not t.is_contiguous(memory_format=torch.channels_last))
-    return t if ok else None
+        return False
+    return (isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+            and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _only_weight_of_convolutions(n: fx.Node) -> bool:
+    """Whether every user of ``n`` is a convolution reading it as its weight."""
+    for u in n.users:
+        slot = convolution_weight_slot(u)
+        if slot is None or u.args[slot] is not n:
+            return False
+    return True
 
 
 def _restride(n: fx.Node, memory_format: torch.memory_format) -> None:
@@ -102,13 +111,11 @@ def channels_last_convolutions(gm: fx.GraphModule) -> int:
         w = conv.args[slot]
         if not isinstance(w, fx.Node):
             continue
-        if _is_dtype_cast(w) and _param(gm, w.args[0]) is not None \
-                and all(convolution_weight_slot(u) is not None and u.args[convolution_weight_slot(u)] is w
-                        for u in w.users):
+        if _is_dtype_cast(w) and _movable(gm, w.args[0]) and _only_weight_of_convolutions(w):
             w.kwargs = {"memory_format": torch.channels_last}
             _restride(w, torch.channels_last)
             moved.add(w.args[0].target)
-        elif _param(gm, w) is not None:
+        elif _movable(gm, w):
             w_cl = nhwc.get(w)
             if w_cl is None:
                 with graph.inserting_before(conv):
