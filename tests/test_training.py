@@ -570,3 +570,20 @@ def test_bridge_runs_fused_relu_backward_and_names_the_user_line():
         fm2 = fxad.compile(copy.deepcopy(model))
         fm2(x).sum().backward()
     assert "torch.ops.aten" not in fm2.bwd_gm.code
+
+
+def test_autocast_off_restores_the_flags():
+    from fxad.training import _AutocastOff, autocast_state
+    devices = tuple(d for d, _, _ in autocast_state())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _AutocastOff(devices):
+            assert not torch.is_autocast_enabled("cpu")
+            assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        with pytest.raises(ValueError), _AutocastOff(devices):
+            raise ValueError
+        assert torch.is_autocast_enabled("cpu")
+    with _AutocastOff(devices):  # autocast already off: nothing to flip or restore
+        assert not torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")

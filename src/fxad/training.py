@@ -86,6 +86,30 @@ def _autocast(state: tuple) -> Any:
         yield
 
 
+class _AutocastOff:
+    """``with _AutocastOff(devices):`` runs with autocast disabled on ``devices`` (device
+    types), restoring the flags on exit.  What ``_autocast(_no_autocast())`` does, for the
+    calls made on every training step: it only flips the per-device flags, without entering
+    ``torch.autocast`` objects (~6 µs per entry inside an autocast region on a 2-core CPU,
+    against well under 1 µs here).  Autocast's cast cache is untouched: nothing is cast
+    while autocast is off."""
+
+    __slots__ = ("devices", "was_on")
+
+    def __init__(self, devices: tuple[str, ...]) -> None:
+        self.devices = devices
+        self.was_on: list[str] = []
+
+    def __enter__(self) -> None:
+        self.was_on = [d for d in self.devices if torch.is_autocast_enabled(d)]
+        for d in self.was_on:
+            torch.set_autocast_enabled(d, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        for d in self.was_on:
+            torch.set_autocast_enabled(d, True)
+
+
 def _first_float(v: Any) -> torch.Tensor | None:
     for x in pytree.tree_leaves(v):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -202,11 +226,11 @@ def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[t
 class _Plan:
     """One capture of the model for one input signature: partition + bookkeeping."""
 
-    def __init__(self, part: Partition, n_inputs: int, autocast: tuple,
-                 vjp_gm: fx.GraphModule) -> None:
+    def __init__(self, part: Partition, n_inputs: int, vjp_gm: fx.GraphModule) -> None:
         self.part = part
         self.n_inputs = n_inputs
-        self.autocast = autocast
+        # the graphs hold autocast's casts explicitly and run with autocast off
+        self.autocast_devices = tuple(d for d, _, _ in autocast_state())
         self.vjp_gm = vjp_gm
         self.nondiff_outputs = [i for i, f in enumerate(part.float_outputs) if not f]
         # the graphs' generated functions, called without nn.Module.__call__ (no hooks can be
@@ -227,7 +251,7 @@ class _Bridge(torch.autograd.Function):
     def forward(ctx: Any, plan: _Plan, *args: Any) -> Any:  # type: ignore[override]
         part = plan.part
         fwd_args = args if part.lifted_params else args[:plan.n_inputs]
-        with _autocast(plan.autocast):
+        with _AutocastOff(plan.autocast_devices):
             res = plan.run_fwd(*fwd_args)
         outs, saved = res[:part.n_outputs], res[part.n_outputs:]
         del res
@@ -266,7 +290,7 @@ class _Bridge(torch.autograd.Function):
         del it
         args.extend(d for d, f in zip(d_outs, part.float_outputs) if f)
         del d_outs
-        with _autocast(plan.autocast):
+        with _AutocastOff(plan.autocast_devices):
             grads = plan.run_bwd(args)
         n = len(part.input_grads)
         in_g = list(grads[:n])
@@ -332,7 +356,7 @@ class FxadModule(torch.nn.Module):
             g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, self.channels_last)
             part = partition(g, self.policy, lift_params=True)
             accumulate_in_place(part.bwd_gm)  # run once, never transformed again
-            p = _Plan(part, len(inputs), _no_autocast(), g)
+            p = _Plan(part, len(inputs), g)
             self._plans[key] = p
         return p
 
@@ -490,7 +514,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if channels_last is None:
         channels_last = _onednn_enabled()
     v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last)
-    state = _no_autocast()
+    devices = tuple(d for d, _, _ in autocast_state())
     out = v.graph.output_node().args[0]
     val = out[0].meta.get("val") if isinstance(out[0], fx.Node) else None
     if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
@@ -507,7 +531,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
         fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
 
     def step(*inputs: Any) -> Any:
-        with torch.no_grad(), _autocast(state):
+        with torch.no_grad(), _AutocastOff(devices):
             return fn(*inputs)
 
     step.graph_module = g  # type: ignore[attr-defined]
