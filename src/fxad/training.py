@@ -501,8 +501,9 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     2-D convolution weights channels-last inside the graph (:mod:`fxad.simplify.layout`),
     which moves the convolutions and the activations between them to NHWC without storing
     any activation twice; parameter gradients come back in the parameters' layout.  On the
-    small ResNet-18 benchmark (fp32) that took the compiled step from 0.96-1.07x to 1.20x
-    the speed of ``torch.compile(model)``, peak 12.2 MiB against its 13.4 MiB.
+    small ResNet-18 benchmark (fp32) that took the compiled step from 0.96-1.02x the speed
+    of ``torch.compile(model)`` (three runs) to 1.10x (two runs), peak 12.2 MiB against its
+    13.4 MiB.
 
     Captured inside ``torch.autocast``, autocast's casts are explicit in the graph (see the
     module docstring) and the step runs with autocast disabled.  The uncompiled graph module
