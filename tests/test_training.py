@@ -513,6 +513,27 @@ def test_joint_step_channels_last_convolutions():
         torch.testing.assert_close(grads[n], g)
 
 
+def test_channels_last_activations_reach_views_and_grouped_convolutions():
+    class Net(nn.Module):  # x.view(B, -1) of an NHWC activation needs a copy (reshape)
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+            self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=8)  # depthwise
+            self.fc = nn.Linear(8 * 6 * 6, 5)
+
+        def forward(self, x, y):
+            h = F.relu(self.c2(F.relu(self.c1(x))))
+            return F.cross_entropy(self.fc(h.view(h.size(0), -1)), y)
+
+    torch.manual_seed(0)
+    model, inputs = Net(), (torch.randn(2, 3, 6, 6), torch.randint(0, 5, (2,)))
+    step = joint_step(copy.deepcopy(model), *inputs, compile=False, channels_last=True)
+    code = step.graph_module.code
+    assert "c1_weight_nhwc = " in code and "c2_weight_nhwc = " in code
+    _check_joint(step, model, inputs)
+    _train_both(model, inputs, steps=2, channels_last=True)
+
+
 def test_joint_step_compiled_conv_batch_norm_matches():
     if not inductor_available():
         pytest.skip("torch.compile (inductor) unavailable here")
