@@ -514,11 +514,12 @@ def test_joint_step_channels_last_convolutions():
 
 
 def test_channels_last_activations_reach_views_and_grouped_convolutions():
+    # (a depthwise weight, (C, 1, k, k), is contiguous and channels-last at once: not moved)
     class Net(nn.Module):  # x.view(B, -1) of an NHWC activation needs a copy (reshape)
         def __init__(self):
             super().__init__()
             self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-            self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=8)  # depthwise
+            self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)  # grouped
             self.fc = nn.Linear(8 * 6 * 6, 5)
 
         def forward(self, x, y):
