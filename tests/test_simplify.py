@@ -231,9 +231,13 @@ def test_channels_last_convolutions_before_after():
             assert code.count(" c2_weight.contiguous(") == 1
             assert "d_c1_weight_nchw = d_c1_weight.contiguous(memory_format = " \
                    "torch.contiguous_format)" in code
-        else:  # the casts do it
-            assert "c1_weight.to(torch.bfloat16, memory_format = torch.channels_last)" in code
-            assert ".to(torch.float32, memory_format = torch.contiguous_format)" in code
+        else:  # after the casts; gradients permuted back before their cast to float32
+            assert "to_1 = c1_weight.to(torch.bfloat16)" in code
+            assert "to_1_nhwc = to_1.contiguous(memory_format = torch.channels_last)" in code
+            assert "d_to_1_nchw = d_to_1.contiguous(memory_format = " \
+                   "torch.contiguous_format)" in code
+            assert "d_c1_weight = d_to_1_nchw.to(torch.float32)" in code
+            assert "torch.ops.aten.convolution_backward(d_conv2d, to, to_1_nhwc," in code
         out = _run_vjp(gm, x)
         torch.testing.assert_close(out[0], ref[0])
         for name, g in ref[2].items():
@@ -272,13 +276,21 @@ def test_channels_last_convolutions_leaves_other_weights_alone():
     ref = _run_vjp(gm, x)
     assert channels_last_convolutions(gm) == 1
     code = gm.code  # the cast feeds only the convolutions; the view reads the parameter
-    assert "to_1 = conv_weight.to(torch.bfloat16, memory_format = torch.channels_last)" in code
+    assert "to_1_nhwc = to_1.contiguous(memory_format = torch.channels_last)" in code
     assert "torch.reshape(conv_weight, (-1,))" in code
     assert "d_conv_weight_nchw = d_conv_weight.contiguous(memory_format = " \
            "torch.contiguous_format)" in code
     out = _run_vjp(gm, x)
     assert out[2]["conv.weight"].is_contiguous()
     torch.testing.assert_close(out[2]["conv.weight"], ref[2]["conv.weight"])
+
+    # casts_only (fxad.compile's default): float32 weights stay, autocast's casts move
+    torch.manual_seed(0)
+    model, x = _ConvNet(), torch.randn(2, 3, 5, 5)
+    assert channels_last_convolutions(_vjp_graph(model, (x,), (), ()), casts_only=True) == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = _vjp_graph(model, (x,), (), ())
+    assert channels_last_convolutions(gm, casts_only=True) == 2
 
     # a 1x1 kernel's contiguous weight is already channels-last: nothing to move
     gm = _vjp_graph(torch.nn.Conv2d(2, 2, 1), (torch.randn(1, 2, 3, 3),), (), ())

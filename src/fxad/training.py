@@ -19,11 +19,14 @@ Convolution layout (:mod:`fxad.simplify.layout`, ``channels_last=``): on the CPU
 :func:`joint_step` by default uses 2-D convolution weights channels-last, so that oneDNN
 runs the convolutions and everything between them in NHWC, as inductor's layout
 optimization does for ``torch.compile(model)`` (which :data:`JOINT_INDUCTOR_OPTIONS`
-switches off because it stores activations twice in a joint graph).  :func:`compile` does it
-only when asked: run eagerly, each step pays PyTorch's strided copies of the weights into
-NHWC (and of their gradients back), and on the small ResNet-18 benchmark that ate the gain
-under bfloat16 autocast (0.98x autograd's speed; fp32: 1.11x, but a 10% higher peak, as
-oneDNN then also reorders each weight).
+switches off because it stores activations twice in a joint graph).  :func:`compile`, run
+eagerly, pays PyTorch's strided copies of the weights into NHWC (and of their gradients
+back) on every step, so by default it moves only the weights that autocast casts: there the
+weight is copied anyway and the permute adds one bfloat16 copy.  On the small ResNet-18
+benchmark (bfloat16 autocast) that made the bridge 1.03x autograd's speed instead of 0.99x,
+peak 6.74 instead of 6.80 MiB (autograd: 7.27), in one interleaved run.  In float32,
+``channels_last=True`` made it 1.09x but raised the peak to 12.17 MiB against autograd's
+11.05 (each float32 weight copied), so float32 weights stay NCHW unless asked.
 
 :func:`joint_step` returns the whole training step (forward + backward, the code of
 :func:`fxad.grad` with the residual policy's recomputations: :func:`fxad.residuals.joint_graph`)
@@ -208,18 +211,18 @@ def _onednn_enabled() -> bool:
 
 
 def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[type],
-               channels_last: bool = False) -> fx.GraphModule:
+               channels_last: bool | str = False) -> fx.GraphModule:
     """``fxad.vjp`` of ``model`` as captured in the current autocast state (casts explicit),
     differentiated with autocast off; run the result with ``_autocast(_no_autocast())``.
     The code is built to run, not to be read: fused backward kernels at level ``"all"``
     (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off, and CPU
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
-    ``channels_last``."""
+    ``channels_last`` (``"casts"``: only the weights autocast casts)."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
     with _autocast(_no_autocast()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules)
     if channels_last:
-        channels_last_convolutions(g)
+        channels_last_convolutions(g, casts_only=channels_last == "casts")
     return g
 
 
@@ -305,7 +308,7 @@ class FxadModule(torch.nn.Module):
     (its parameters are this module's parameters, so optimizers work unchanged)."""
 
     def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "min_memory",
-                 leaf_modules: Iterable[type] = (), channels_last: bool = False) -> None:
+                 leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> None:
         super().__init__()
         self.module = module
         self.policy = policy
@@ -353,7 +356,10 @@ class FxadModule(torch.nn.Module):
             argnums = tuple(i for i, x in enumerate(inputs)
                             if isinstance(x, torch.Tensor) and x.requires_grad
                             and (x.is_floating_point() or x.is_complex()))
-            g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, self.channels_last)
+            layout: bool | str = self.channels_last
+            if layout is None:  # where the cast copies the weight anyway: see the module doc
+                layout = "casts" if _onednn_enabled() else False
+            g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout)
             part = partition(g, self.policy, lift_params=True)
             accumulate_in_place(part.bwd_gm)  # run once, never transformed again
             p = _Plan(part, len(inputs), g)
@@ -406,7 +412,7 @@ class FxadModule(torch.nn.Module):
 
 def compile(model: torch.nn.Module, *example_inputs: Any,
             policy: str | Policy | None = "min_memory",
-            leaf_modules: Iterable[type] = (), channels_last: bool = False) -> FxadModule:
+            leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> FxadModule:
     """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
 
     >>> m = fxad.compile(model)                       # doctest: +SKIP
@@ -431,8 +437,9 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
             :class:`fxad.residuals.Policy` with per-op / per-node choices.
         leaf_modules: as in :func:`fxad.vjp`.
         channels_last: run 2-D convolutions with channels-last (NHWC) weights on the CPU
-            (:mod:`fxad.simplify.layout`; off by default, see the module docstring).
-            Gradients keep the parameters' layout either way.
+            (:mod:`fxad.simplify.layout`): ``True``, ``False``, or ``None`` (default): only
+            the weights that autocast casts, where oneDNN runs the convolutions (see the
+            module docstring).  Gradients keep the parameters' layout either way.
 
     The split is inspectable: ``m.partition(*inputs)`` gives the
     :class:`fxad.residuals.Partition` (``fwd_gm``, ``bwd_gm``, ``saved_names``,

@@ -12,22 +12,25 @@ activations and cotangents to NHWC, with no copy of any activation.
 parameter that is a 4-D contiguous CPU tensor used as a convolution weight (forward
 ``torch.conv2d`` or ``convolution_backward``), directly or through one dtype cast:
 
-* a cast that feeds only convolutions casts to channels-last in the same copy,
-  ``w.to(torch.bfloat16, memory_format=torch.channels_last)``;
-* an uncast weight is copied once, ``w.contiguous(memory_format=torch.channels_last)``
-  (a cheap op: the residual policies recompute it rather than save it);
+* the weight, or its cast when that feeds only convolutions, is copied once to
+  channels-last, ``w_nhwc = w.contiguous(memory_format=torch.channels_last)`` (a cheap op:
+  the residual policies recompute it rather than save it);
 * the parameter's gradient, channels-last like the weight the convolution saw, is returned
-  in the parameter's own (contiguous) layout: its final cast gains
-  ``memory_format=torch.contiguous_format``, else
-  ``.contiguous(memory_format=torch.contiguous_format)`` is appended.
+  in the parameter's own (contiguous) layout, ``.contiguous(memory_format=
+  torch.contiguous_format)``, applied before its final cast to float32 when it has one.
+
+Under autocast the layout change and the cast are separate copies: PyTorch's eager CPU copy
+that casts *and* permutes is slow (a 128x128x3x3 float32 weight to channels-last bfloat16:
+143 µs in one copy, 20 + 46 µs as a cast then a bfloat16 permute; its gradient back: 116
+against 68 µs); inductor fuses the two into one kernel either way.
 
 Values are unchanged; only strides differ, and oneDNN's NHWC kernels may round differently
 (gradients agree with autograd's NCHW ones to float tolerance, not bit for bit).  This is
 the layout change inductor makes for CPU convolutions ("layout optimization"), done at the
 source level, where no activation has to be stored twice.  Not part of
-:data:`fxad.simplify.PASSES`: :func:`fxad.joint_step` applies it by default on the CPU and
-:func:`fxad.compile` when asked (``channels_last=`` in both; :mod:`fxad.training` says why
-and gives the figures).
+:data:`fxad.simplify.PASSES`: :func:`fxad.joint_step` applies it by default on the CPU,
+:func:`fxad.compile` by default only to the weights autocast casts (``casts_only``;
+``channels_last=`` in both; :mod:`fxad.training` says why and gives the figures).
 """
 from __future__ import annotations
 
@@ -92,10 +95,11 @@ def _restride(n: fx.Node, memory_format: torch.memory_format) -> None:
         n.meta["val"] = v.contiguous(memory_format=memory_format)
 
 
-def channels_last_convolutions(gm: fx.GraphModule) -> int:
+def channels_last_convolutions(gm: fx.GraphModule, *, casts_only: bool = False) -> int:
     """Move the 2-D convolution weights of the VJP graph ``gm`` to channels-last (see the
-    module docstring); returns the number of parameters moved (and recompiles ``gm`` when
-    there are any)."""
+    module docstring); with ``casts_only``, only weights that reach their convolutions
+    through a dtype cast (autocast's), which are copied on every step anyway.  Returns the
+    number of parameters moved (and recompiles ``gm`` when there are any)."""
     graph = gm.graph
     out = graph.output_node()
     result = out.args[0]
@@ -103,7 +107,7 @@ def channels_last_convolutions(gm: fx.GraphModule) -> int:
             and isinstance(result[2], dict)):
         return 0  # no parameter gradients in this graph: nothing to keep consistent
     moved: set[str] = set()
-    nhwc: dict[fx.Node, fx.Node] = {}  # parameter -> its channels-last copy (one per weight)
+    nhwc: dict[fx.Node, fx.Node] = {}  # weight (parameter or its cast) -> channels-last copy
     for conv in list(graph.nodes):
         slot = convolution_weight_slot(conv)
         if slot is None:
@@ -111,22 +115,23 @@ def channels_last_convolutions(gm: fx.GraphModule) -> int:
         w = conv.args[slot]
         if not isinstance(w, fx.Node):
             continue
-        if _is_dtype_cast(w) and _movable(gm, w.args[0]) and _only_weight_of_convolutions(w):
-            w.kwargs = {"memory_format": torch.channels_last}
-            _restride(w, torch.channels_last)
-            moved.add(w.args[0].target)
-        elif _movable(gm, w):
-            w_cl = nhwc.get(w)
-            if w_cl is None:
-                with graph.inserting_before(conv):
-                    w_cl = graph.create_node("call_method", "contiguous", (w,),
-                                             {"memory_format": torch.channels_last},
-                                             name=f"{w.name}_nhwc")
-                w_cl.meta = dict(w.meta)
-                _restride(w_cl, torch.channels_last)
-                nhwc[w] = w_cl
-            conv.args = conv.args[:slot] + (w_cl,) + conv.args[slot + 1:]
-            moved.add(w.target)
+        w_cl = nhwc.get(w)
+        if w_cl is None:
+            if _is_dtype_cast(w) and _movable(gm, w.args[0]) \
+                    and _only_weight_of_convolutions(w):
+                moved.add(w.args[0].target)
+            elif not casts_only and _movable(gm, w):
+                moved.add(w.target)
+            else:
+                continue
+            with graph.inserting_after(w):
+                w_cl = graph.create_node("call_method", "contiguous", (w,),
+                                         {"memory_format": torch.channels_last},
+                                         name=f"{w.name}_nhwc")
+            w_cl.meta = dict(w.meta)
+            _restride(w_cl, torch.channels_last)
+            nhwc[w] = w_cl
+        conv.args = conv.args[:slot] + (w_cl,) + conv.args[slot + 1:]
     if not moved:
         return 0
     grads = dict(result[2])
@@ -136,15 +141,16 @@ def channels_last_convolutions(gm: fx.GraphModule) -> int:
             continue
         # (an explicit memory_format: the simplifier drops a bare .contiguous() of a value
         # whose recorded strides, from before this pass, are contiguous)
-        if _is_dtype_cast(g) and len(g.users) == 1:
-            g.kwargs = {"memory_format": torch.contiguous_format}
-        else:
-            with graph.inserting_after(g):
-                g_c = graph.create_node("call_method", "contiguous", (g,),
-                                        {"memory_format": torch.contiguous_format},
-                                        name=f"{g.name}_nchw")
-            g_c.meta = dict(g.meta)
+        src = g.args[0] if _is_dtype_cast(g) and len(g.users) == 1 else g
+        with graph.inserting_after(src):
+            g_c = graph.create_node("call_method", "contiguous", (src,),
+                                    {"memory_format": torch.contiguous_format},
+                                    name=f"{src.name}_nchw")
+        g_c.meta = dict(src.meta)
+        if src is g:
             grads[name] = g_c
+        else:  # permute before the cast to float32: half the bytes to move
+            g.args = (g_c, g.args[1])
     out.args = ((*result[:2], grads, *result[3:]),)
     graph.lint()
     gm.recompile()
