@@ -205,9 +205,9 @@ class _ConvNet(torch.nn.Module):
 
 def _run_vjp(gm, *inputs):
     """Run a VJP graph of a scalar function (cotangent 1) with autocast off, as fxad does."""
-    from fxad.training import _autocast, _no_autocast
+    from fxad.training import _autocast_devices, _AutocastOff
     seed = [n for n in gm.graph.nodes if n.op == "placeholder"][-1].meta["val"]
-    with _autocast(_no_autocast()):
+    with _AutocastOff(_autocast_devices()):
         return gm(*inputs, torch.ones((), dtype=seed.dtype))
 
 

@@ -604,8 +604,8 @@ def test_bridge_runs_fused_relu_backward_and_names_the_user_line():
 
 
 def test_autocast_off_restores_the_flags():
-    from fxad.training import _AutocastOff, autocast_state
-    devices = tuple(d for d, _, _ in autocast_state())
+    from fxad.training import _autocast_devices, _AutocastOff
+    devices = _autocast_devices()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with _AutocastOff(devices):
             assert not torch.is_autocast_enabled("cpu")

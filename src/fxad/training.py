@@ -77,25 +77,18 @@ def autocast_state(device_types: Iterable[str] = ("cpu", "cuda")) -> tuple:
     return tuple(out)
 
 
-@contextlib.contextmanager
-def _autocast(state: tuple) -> Any:
-    """Enter the autocast ``state`` recorded by :func:`autocast_state`."""
-    with contextlib.ExitStack() as stack:
-        for d, on, dt in state:
-            if on:
-                stack.enter_context(torch.autocast(d, dtype=dt))
-            elif torch.is_autocast_enabled(d):
-                stack.enter_context(torch.autocast(d, enabled=False))
-        yield
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types :func:`autocast_state` knows in this build."""
+    return tuple(d for d, _, _ in autocast_state())
 
 
 class _AutocastOff:
     """``with _AutocastOff(devices):`` runs with autocast disabled on ``devices`` (device
-    types), restoring the flags on exit.  What ``_autocast(_no_autocast())`` does, for the
-    calls made on every training step: it only flips the per-device flags, without entering
-    ``torch.autocast`` objects (~6 µs per entry inside an autocast region on a 2-core CPU,
-    against well under 1 µs here).  Autocast's cast cache is untouched: nothing is cast
-    while autocast is off."""
+    types, :func:`_autocast_devices`), restoring the flags on exit.  It only flips the
+    per-device flags, without entering ``torch.autocast(enabled=False)`` objects (~6 µs per
+    entry inside an autocast region on a 2-core CPU, against well under 1 µs here), as the
+    bridge does twice per training step.  Autocast's cast cache is untouched: nothing is
+    cast while autocast is off."""
 
     __slots__ = ("devices", "was_on")
 
@@ -166,7 +159,7 @@ def materialize_autocast(gm: fx.GraphModule) -> int:
                 with contextlib.ExitStack() as st:
                     if mode is not None:
                         st.enter_context(mode)
-                    st.enter_context(_autocast(_no_autocast()))
+                    st.enter_context(_AutocastOff(_autocast_devices()))
                     if n.op == "call_method":
                         v = getattr(args[0], n.target)(*args[1:], **kwargs)
                     else:
@@ -191,10 +184,6 @@ def materialize_autocast(gm: fx.GraphModule) -> int:
     return n_casts
 
 
-def _no_autocast() -> tuple:
-    return tuple((d, False, None) for d, _, _ in autocast_state())
-
-
 def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type]) -> Any:
     """``model`` itself outside autocast; inside, its graph with explicit casts."""
     if not any(on for _, on, _ in autocast_state()):
@@ -205,21 +194,21 @@ def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type
 
 
 def _onednn_enabled() -> bool:
-    """Whether oneDNN runs the CPU convolutions (``channels_last=None`` in
-    :func:`joint_step`)."""
+    """Whether oneDNN runs the CPU convolutions (what ``channels_last=None`` looks at in
+    :func:`joint_step` and :func:`compile`)."""
     return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 
 
 def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[type],
                channels_last: bool | str = False) -> fx.GraphModule:
     """``fxad.vjp`` of ``model`` as captured in the current autocast state (casts explicit),
-    differentiated with autocast off; run the result with ``_autocast(_no_autocast())``.
+    differentiated with autocast off; run the result under ``_AutocastOff``.
     The code is built to run, not to be read: fused backward kernels at level ``"all"``
     (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off, and CPU
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
     ``channels_last`` (``"casts"``: only the weights autocast casts)."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
-    with _autocast(_no_autocast()), fused.for_execution():
+    with _AutocastOff(_autocast_devices()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules)
     if channels_last:
         channels_last_convolutions(g, casts_only=channels_last == "casts")
@@ -233,7 +222,7 @@ class _Plan:
         self.part = part
         self.n_inputs = n_inputs
         # the graphs hold autocast's casts explicitly and run with autocast off
-        self.autocast_devices = tuple(d for d, _, _ in autocast_state())
+        self.autocast_devices = _autocast_devices()
         self.vjp_gm = vjp_gm
         self.nondiff_outputs = [i for i, f in enumerate(part.float_outputs) if not f]
         # the graphs' generated functions, called without nn.Module.__call__ (no hooks can be
@@ -522,7 +511,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if channels_last is None:
         channels_last = _onednn_enabled()
     v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last)
-    devices = tuple(d for d, _, _ in autocast_state())
+    devices = _autocast_devices()
     out = v.graph.output_node().args[0]
     val = out[0].meta.get("val") if isinstance(out[0], fx.Node) else None
     if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
