@@ -71,11 +71,16 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
              residuals=residuals or ("inputs" if save == "input" else "output"), recompute=True)
 
 
-def is_complex(x: Any) -> bool:
-    """Whether ``x`` (a tensor or proxy) holds complex values."""
+def value_of(x: Any) -> Any:
+    """The value behind ``x``: a proxy's ``meta['val']`` (a fake tensor), else ``x`` itself."""
     import torch.fx as fx
 
-    v = x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
+    return x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
+
+
+def is_complex(x: Any) -> bool:
+    """Whether ``x`` (a tensor or proxy) holds complex values."""
+    v = value_of(x)
     return isinstance(v, torch.Tensor) and v.is_complex()
 
 
@@ -83,9 +88,7 @@ def conj(x: Any) -> Any:
     """``conj(x)`` for complex values (a complex tensor or proxy, a Python complex), ``x``
     itself otherwise, so real code is unchanged.  PyTorch's convention for complex inputs:
     the cotangent of ``z`` in ``y = f(z)``, ``f`` holomorphic, is ``conj(f'(z)) * d_y``."""
-    import torch.fx as fx
-
-    v = x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
+    v = value_of(x)
     if isinstance(v, torch.Tensor) and v.is_complex():
         return torch.conj(x)
     if isinstance(x, complex):

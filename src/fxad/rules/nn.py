@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ..errors import RuleError
 from . import fused
 from .registry import needs_cotangent
-from ._base import builtin, randn, uniform
+from ._base import builtin, randn, uniform, value_of
 
 # --- helpers --------------------------------------------------------------------------------
 
@@ -533,6 +533,18 @@ class TorchDropout:
 # --- losses ---------------------------------------------------------------------------------
 
 
+_REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}  # at::Reduction
+
+
+def _fused_cross_entropy(input: Any, target: Any, weight: Any, label_smoothing: float) -> bool:
+    """Whether :class:`CrossEntropy` takes its fused path (level ``"all"``; see there)."""
+    x, t = value_of(input), value_of(target)
+    return (fused.enabled("all") and weight is None and not label_smoothing
+            and isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor)
+            and x.is_floating_point() and x.dim() in (1, 2) and t.dtype == torch.int64
+            and t.dim() == x.dim() - 1)
+
+
 @builtin(F.cross_entropy)
 class CrossEntropy:
     """Cross-entropy of logits x (classes at dim 1, or dim 0 for an unbatched ``(C,)`` input),
@@ -551,15 +563,30 @@ class CrossEntropy:
     it for class-index targets).  Sources: derivatives.yaml `_log_softmax`, `nll_loss_forward`
     (nll_loss_backward) and ATen's ``cross_entropy_loss_label_smoothing`` /
     ``cross_entropy_loss_prob_target`` (LossNLL.cpp).  The deprecated ``size_average`` /
-    ``reduce`` flags are mapped onto ``reduction``."""
+    ``reduce`` flags are mapped onto ``reduction``.
 
-    residuals = "inputs"
+    At fused level ``"all"`` (code built to run: :func:`fxad.compile`, :func:`fxad.joint_step`;
+    :mod:`fxad.rules.fused`), for an ``(N, C)`` or ``(C,)`` input with int64 class indices, no
+    class weights and no label smoothing, the forward is what ``F.cross_entropy`` runs inside,
+    ``lsm = torch.log_softmax(x, -1)`` and ``torch.ops.aten.nll_loss_forward(lsm, t, None,
+    reduction, ignore_index)`` (which also returns W, the total weight), and the backward is
+    autograd's, ``torch.ops.aten.nll_loss_backward`` then
+    ``torch.ops.aten._log_softmax_backward_data`` (derivatives.yaml `nll_loss_forward`,
+    `_log_softmax`): two kernels instead of ~11 ops, saving ``lsm`` (the input's shape and
+    dtype) and W instead of the input."""
+
+    residuals = "inputs+intermediates"
     recompute = False
 
     def fwd(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
             reduction="mean", label_smoothing=0.0):
         reduction = _legacy_reduction("torch.nn.functional.cross_entropy", size_average,
                                       reduce, reduction)
+        if _fused_cross_entropy(input, target, weight, label_smoothing):
+            lsm = torch.log_softmax(input, input.dim() - 1)
+            red = _REDUCTION_ENUM[reduction]
+            nll = torch.ops.aten.nll_loss_forward(lsm, target, None, red, ignore_index)
+            return nll[0], ("fused", lsm, target, red, ignore_index, nll[1])
         kw: dict[str, Any] = {}
         if weight is not None:
             kw["weight"] = weight
@@ -573,6 +600,13 @@ class CrossEntropy:
         return out, (input, target, weight, ignore_index, reduction, label_smoothing, out)
 
     def bwd(aux, d):
+        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
+            _, lsm, target, red, ignore_index, total_weight = aux
+            d_lsm = torch.ops.aten.nll_loss_backward(d, lsm, target, None, red, ignore_index,
+                                                     total_weight)
+            d_x = torch.ops.aten._log_softmax_backward_data(d_lsm, lsm, lsm.dim() - 1,
+                                                            value_of(lsm).dtype)
+            return d_x, None, None
         x, target, w, ignore_index, reduction, eps, out = aux
         cdim = 0 if x.dim() == 1 else 1
         C = x.shape[cdim]
