@@ -29,6 +29,9 @@ Usage::
         [--models mlp,resnet,gpt] [--dtypes fp32,bf16] [--no-compile] [--repeats 30]
         [--block 10]
         [--policy min_memory|save]
+
+``--policy`` applies one residual policy to b and d; by default each uses its API's own default
+(``fxad.compile``: ``"save"``, autograd's saved set; ``fxad.joint_step``: ``"min_memory"``).
 """
 from __future__ import annotations
 
@@ -150,10 +153,15 @@ def autograd_step(model: nn.Module, inputs: tuple, device: torch.device, bf16: b
     return step
 
 
+def _policy(policy: str | None) -> dict[str, Any]:
+    """``policy=`` keyword for fxad's APIs: none (the API's default) when ``policy`` is None."""
+    return {} if policy is None else {"policy": policy}
+
+
 def joint(model: nn.Module, inputs: tuple, device: torch.device, bf16: bool,
-          compile: bool, policy: str = "min_memory") -> Callable:
+          compile: bool, policy: str | None = None) -> Callable:
     with _ctx(device, bf16):
-        s = fxad.joint_step(model, *inputs, compile=compile, policy=policy)
+        s = fxad.joint_step(model, *inputs, compile=compile, **_policy(policy))
     return lambda: s(*inputs)
 
 
@@ -173,7 +181,7 @@ def bench(name: str, model: nn.Module, inputs: tuple, device: torch.device, bf16
     steps["a"] = autograd_step(m_a, inputs, device, bf16)
     m_b = copy.deepcopy(model)
     t0 = time.perf_counter()
-    fm = fxad.compile(m_b, policy=args.policy)
+    fm = fxad.compile(m_b, **_policy(args.policy))
     with _ctx(device, bf16):
         part = fm.partition(*inputs)
     row["build_b"] = time.perf_counter() - t0
@@ -238,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--policy", default="min_memory")
+    ap.add_argument("--policy", default=None, help="residual policy for b and d "
+                    "(default: each API's own, b 'save', d 'min_memory')")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, python {platform.python_version()}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-          + f", size {size}, policy {args.policy}, repeats {args.repeats}, block {args.block}")
+          + f", size {size}, policy {args.policy or 'b save, d min_memory'}, "
+          f"repeats {args.repeats}, block {args.block}")
     print("a = eager autograd, b = fxad eager (autograd.Function bridge), "
           "c = torch.compile(model)+autograd, d = torch.compile(fxad joint graph)")
     rows = []

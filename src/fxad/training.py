@@ -10,10 +10,10 @@ place between forward and backward raises as in autograd.  Per call, the wrapper
 input signature, the modules' ``training`` flags, parameters' ``requires_grad`` and that no
 submodule or parameter was replaced (cached identity checks, no module walk), then calls the
 two generated functions directly.  That code is built to run, not to be transformed again:
-relu's backward is the one-kernel ``threshold_backward`` (fused level ``"all"``,
-:mod:`fxad.rules.fused`) and cotangent sums accumulate in place into a fresh operand
-(``d_x = getitem_3.add_(d_y)``; :func:`fxad.simplify.inplace.accumulate_in_place`), as
-autograd's engine accumulates.
+relu's backward is the one-kernel ``threshold_backward`` and cross-entropy's is autograd's
+two kernels (fused level ``"all"``, :mod:`fxad.rules.fused`), and cotangent sums
+accumulate in place into a fresh operand (``d_x = getitem_3.add_(d_y)``;
+:func:`fxad.simplify.inplace.accumulate_in_place`), as autograd's engine accumulates.
 
 Convolution layout (:mod:`fxad.simplify.layout`, ``channels_last=``): on the CPU,
 :func:`joint_step` by default uses 2-D convolution weights channels-last, so that oneDNN
@@ -296,7 +296,7 @@ class FxadModule(torch.nn.Module):
     """Module returned by :func:`compile`; see there.  ``self.module`` is the wrapped model
     (its parameters are this module's parameters, so optimizers work unchanged)."""
 
-    def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "min_memory",
+    def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "save",
                  leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> None:
         super().__init__()
         self.module = module
@@ -400,7 +400,7 @@ class FxadModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, *example_inputs: Any,
-            policy: str | Policy | None = "min_memory",
+            policy: str | Policy | None = "save",
             leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> FxadModule:
     """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
 
@@ -421,9 +421,15 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     changes (a replaced submodule) are detected on the next call.
 
     Args:
-        policy: residual policy: ``"min_memory"`` (default: save least, recomputing only
-            elementwise ops and views), ``"save"`` (recompute nothing) or a
-            :class:`fxad.residuals.Policy` with per-op / per-node choices.
+        policy: residual policy: ``"save"`` (default: recompute nothing, keeping what
+            autograd keeps), ``"min_memory"`` (save least, recomputing only elementwise ops
+            and views) or a :class:`fxad.residuals.Policy` with per-op / per-node choices.
+            The default is autograd's trade: the same saved set and peak, no work done twice.
+            ``"min_memory"`` gives up speed for memory: on the small GPT benchmark (2 layers,
+            d=128, T=128, B=4, float32, 2-core CPU) it recomputes the GELU outputs, the
+            residual sums and the casts, peak 9.5 MiB instead of autograd's 11.5, at 0.985x to
+            0.995x autograd's speed over three interleaved runs, where ``"save"`` ran at 1.008x
+            to 1.055x with autograd's peak.
         leaf_modules: as in :func:`fxad.vjp`.
         channels_last: run 2-D convolutions with channels-last (NHWC) weights on the CPU
             (:mod:`fxad.simplify.layout`): ``True``, ``False``, or ``None`` (default): only

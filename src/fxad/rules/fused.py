@@ -13,7 +13,9 @@ Three levels:
 * ``True`` (the default) — fused kernels that replace several ops (a whole normalization or
   activation backward);
 * ``"all"`` — also those that replace a short readable expression by one kernel: relu's
-  ``d * torch.sign(out)`` becomes ``torch.ops.aten.threshold_backward(d, out, 0)``.  Code
+  ``d * torch.sign(out)`` becomes ``torch.ops.aten.threshold_backward(d, out, 0)``, and
+  cross-entropy's closed form (~11 ops) becomes autograd's ``nll_loss_backward`` and
+  ``_log_softmax_backward_data``.  Code
   built for execution rather than reading (the training bridge of :func:`fxad.compile` and
   :func:`fxad.joint_step`) is captured at this level unless the caller chose ``False``.
 
