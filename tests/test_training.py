@@ -509,7 +509,8 @@ def test_joint_step_inductor_options(monkeypatch):
     joint_step(model, *inputs, mode="reduce-overhead")
     joint_step(model, *inputs, compile="aot_eager")
     assert seen[0] == {"backend": "inductor", "options": {"layout_optimization": False,
-                                                          "reorder_for_locality": False}}
+                                                          "reorder_for_locality": False,
+                                                          "reorder_for_peak_memory": False}}
     assert seen[1]["options"] == {"max_autotune": True}
     assert "options" not in seen[2] and "options" not in seen[3]
 

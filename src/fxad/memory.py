@@ -1,0 +1,118 @@
+"""Simulated tensor memory of a graph run in node order, from the shapes in ``meta['val']``.
+
+:func:`simulate` walks an FX graph once, as its generated code runs it, and tracks which
+storages are alive: a node that computes a tensor allocates ``numel * itemsize`` bytes
+(``meta['val']``), a view (``op_kind`` in :data:`fxad.residuals.VIEW_OPS`, and ``getitem``
+of a multi-output node) shares its base's storage, and a storage is freed after the last node
+that reads it or any of its views (graph outputs live to the end).  Placeholders and
+``get_attr`` reads (inputs, parameters, buffers) are owned by the caller and count 0 bytes.
+
+It is an estimate, not a measurement: a compiler that fuses elementwise ops never allocates
+their intermediates, and an allocator rounds sizes.  It serves to compare two orders of the
+same graph (:func:`fxad.simplify.schedule.defer_widening_output_casts`), where what differs
+is when the same values are alive.  Grouped kernels are modelled where asked: inductor's C++
+backend emits a run of adjacent elementwise nodes as one kernel, which allocates all of its
+outputs before any of its inputs is freed; ``group_runs`` (a predicate on nodes) marks the
+nodes such a run is made of, and the inputs of a run stay alive until its last node.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+__all__ = ["MemoryEstimate", "simulate"]
+
+
+@dataclass
+class MemoryEstimate:
+    """Result of :func:`simulate`.
+
+    Attributes:
+        peak_bytes: the largest number of bytes alive at once (bytes, from ``meta['val']``).
+        peak_node: the name of the node at which that peak is reached.
+        live_at_peak: names of the nodes whose storages are alive at the peak, largest first.
+        bytes_per_node: bytes alive right after each node runs, in graph order.
+    """
+
+    peak_bytes: int
+    peak_node: str
+    live_at_peak: list[str]
+    bytes_per_node: list[int]
+
+
+def _is_view(node: fx.Node) -> bool:
+    from .residuals import VIEW_OPS, op_kind
+
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    return node.op in ("call_function", "call_method") and op_kind(node) in VIEW_OPS
+
+
+def simulate(graph: fx.Graph,
+             group_runs: Callable[[fx.Node], bool] | None = None,
+             order: list[fx.Node] | None = None) -> MemoryEstimate:
+    """Simulate the tensor memory of running ``graph`` in its node order, or in ``order``
+    (all its nodes but the output, in a topological order), without changing the graph (see
+    the module docstring).  ``group_runs(node)``: nodes that a compiler emits as one kernel
+    when they are adjacent; the storages a run reads stay alive until its last node.
+
+    Returns:
+        :class:`MemoryEstimate`.  Nodes without ``meta['val']`` count 0 bytes.
+    """
+    from .residuals import nbytes
+
+    nodes = list(order) if order is not None else [n for n in graph.nodes if n.op != "output"]
+    pos = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}  # node -> the node that allocated its storage
+    size: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            root[n], size[n] = n, 0
+        elif _is_view(n) and n.all_input_nodes:
+            root[n] = root[n.all_input_nodes[0]]
+        else:
+            root[n], size[n] = n, nbytes(n)
+    end = len(nodes)
+    run_end: dict[fx.Node, int] = {}  # a grouped node -> index of the last node of its run
+    if group_runs is not None:
+        i = 0
+        while i < end:
+            j = i
+            while j < end and group_runs(nodes[j]):
+                j += 1
+            for k in range(i, j):
+                run_end[nodes[k]] = j - 1
+            i = max(j, i + 1)
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        r = root[n]
+        last[r] = max(last.get(r, pos[n]), pos[n])
+        for a in n.all_input_nodes:
+            ra = root[a]
+            last[ra] = max(last.get(ra, 0), run_end.get(n, pos[n]))
+    for a in graph.output_node().all_input_nodes:
+        last[root[a]] = end
+    free_at: dict[int, list[fx.Node]] = {}
+    for r, i in last.items():
+        free_at.setdefault(i, []).append(r)
+    alive = 0
+    live: set[fx.Node] = set()
+    per_node: list[int] = []
+    peak, peak_i, peak_live = -1, 0, []
+    for i, n in enumerate(nodes):
+        if root[n] is n and size[n]:
+            alive += size[n]
+            live.add(n)
+        per_node.append(alive)
+        if alive > peak:
+            peak, peak_i = alive, i
+            peak_live = sorted(live, key=lambda r: (-size[r], pos[r]))
+        for r in free_at.get(i, ()):
+            if r in live:
+                live.discard(r)
+                alive -= size[r]
+    return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=nodes[peak_i].name if nodes else "",
+                          live_at_peak=[r.name for r in peak_live], bytes_per_node=per_node)
