@@ -6,6 +6,7 @@ import operator
 import torch
 import torch.fx as fx
 
+import fxad
 from fxad.capture.proxy import Emitter
 from fxad.simplify import cse, dce, fold_algebra, fold_shapes, simplify
 
@@ -295,3 +296,27 @@ def test_channels_last_convolutions_leaves_other_weights_alone():
     # a 1x1 kernel's contiguous weight is already channels-last: nothing to move
     gm = _vjp_graph(torch.nn.Conv2d(2, 2, 1), (torch.randn(1, 2, 3, 3),), (), ())
     assert channels_last_convolutions(gm) == 0
+
+
+def test_cast_methods_before_after():
+    from fxad.simplify.calls import cast_methods
+
+    def f(x, w):
+        return (x.to(torch.bfloat16) @ w.to(torch.bfloat16)).to(torch.float32), \
+            x.to(torch.float64), x.to(torch.float16), x.to(torch.int32), x.to(x.device), \
+            x.to(torch.float32, copy=True)
+
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    gm = fxad.trace(f, x, w)
+    before = _code(gm.graph)
+    assert before.count(".to(torch.") == 7
+    ref = gm(x, w)
+    assert cast_methods(gm) == 5
+    after = _code(gm.graph)
+    for s in ("x.bfloat16()", "w.bfloat16()", "matmul.float()", "x.double()", "x.half()"):
+        assert s in after
+    # an integer dtype, a device and keyword arguments keep ``to``
+    assert "x.to(torch.int32)" in after and "copy = True" in after and after.count(".to(") == 3
+    for a, b in zip(gm(x, w), ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert cast_methods(gm) == 0

@@ -11,9 +11,11 @@ input signature, the modules' ``training`` flags, parameters' ``requires_grad`` 
 submodule or parameter was replaced (cached identity checks, no module walk), then calls the
 two generated functions directly.  That code is built to run, not to be transformed again:
 relu's backward is the one-kernel ``threshold_backward`` and cross-entropy's is autograd's
-two kernels (fused level ``"all"``, :mod:`fxad.rules.fused`), and cotangent sums
+two kernels (fused level ``"all"``, :mod:`fxad.rules.fused`), cotangent sums
 accumulate in place into a fresh operand (``d_x = getitem_3.add_(d_y)``;
-:func:`fxad.simplify.inplace.accumulate_in_place`), as autograd's engine accumulates.
+:func:`fxad.simplify.inplace.accumulate_in_place`), as autograd's engine accumulates, and
+casts call the dtype's method (``w.bfloat16()``, ``d_w.float()``;
+:func:`fxad.simplify.calls.cast_methods`), which Python parses faster than ``.to(dtype)``.
 
 Convolution layout (:mod:`fxad.simplify.layout`, ``channels_last=``): on the CPU,
 :func:`joint_step` by default uses 2-D convolution weights channels-last, so that oneDNN
@@ -57,6 +59,7 @@ from .api import vjp as _vjp
 from .errors import InputError
 from .residuals import Partition, Policy, joint_graph, op_kind, partition
 from .rules import fused
+from .simplify.calls import cast_methods
 from .simplify.inplace import accumulate_in_place
 from .simplify.layout import channels_last_convolutions
 from .simplify.schedule import defer_widening_output_casts
@@ -352,6 +355,8 @@ class FxadModule(torch.nn.Module):
             g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout)
             part = partition(g, self.policy, lift_params=True)
             accumulate_in_place(part.bwd_gm)  # run once, never transformed again
+            cast_methods(part.fwd_gm)
+            cast_methods(part.bwd_gm)
             p = _Plan(part, len(inputs), g)
             self._plans[key] = p
         return p
