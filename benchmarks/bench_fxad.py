@@ -107,12 +107,15 @@ def autograd_step(model: torch.nn.Module, inputs: tuple) -> Step:
 
 
 def time_interleaved(steps: dict[str, Step], device: torch.device, repeats: int,
-                     warmup: int, block: int = 1) -> dict[str, float]:
+                     warmup: int, block: int = 1,
+                     rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median seconds per call of each step, the steps run round-robin in blocks of
     ``block`` consecutive calls (``repeats`` counted calls each).  With ``block > 1`` the
     first call of each block is run but not counted: it pays for the other methods having
     just reshaped the allocator's free lists and the caches, which a training loop running
-    one method does not see."""
+    one method does not see.  ``rounds``, if given, receives per step the median of each
+    round's block (the rounds run every step once, back to back, so that two steps' block
+    medians of the same round form a pair: :func:`paired_ratio`)."""
     for _ in range(warmup):
         for s in steps.values():
             s()
@@ -122,13 +125,26 @@ def time_interleaved(steps: dict[str, Step], device: torch.device, repeats: int,
         for k, s in steps.items():
             if block > 1:
                 s()
+            this: list[float] = []
             for _ in range(min(block, repeats - len(times[k]))):
                 sync(device)
                 t0 = time.perf_counter()
                 s()
                 sync(device)
-                times[k].append(time.perf_counter() - t0)
+                this.append(time.perf_counter() - t0)
+            times[k].extend(this)
+            if rounds is not None and this:
+                rounds.setdefault(k, []).append(statistics.median(this))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def paired_ratio(rounds: dict[str, list[float]], num: str, den: str) -> float | None:
+    """Median over the rounds of ``num``'s block median / ``den``'s block median (from
+    :func:`time_interleaved`): a slow drift of the machine's speed cancels within each pair,
+    where a ratio of the two overall medians keeps it.  ``None`` if a step is missing."""
+    if num not in rounds or den not in rounds:
+        return None
+    return statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
 
 
 def peak_bytes(step: Step, device: torch.device,

@@ -19,7 +19,10 @@ counted), so that slow drifts of a shared machine hit all methods alike while ea
 runs as in a training loop, without another method's allocations between its steps.
 (``--block 1`` interleaves step by step; on the CPU that shifts the ratios by up to ~10%,
 as each method then runs on heap free lists and caches shaped by the others.)
-Ratios: ``t_a / t`` and ``t_c / t`` (> 1: faster than a / c).  Peak memory: as in
+Ratios: ``t_a / t`` and ``t_c / t`` (> 1: faster than a / c) of the medians, and the
+"paired" ratios: the median over the rounds of the same ratio of each round's block medians
+(:func:`bench_fxad.paired_ratio`; a drift of the machine's speed between rounds cancels
+within each pair).  Peak memory: as in
 ``bench_fxad.py`` (tensor bytes allocated during one step above the level at its start;
 CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events).
 
@@ -48,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fxad import peak_bytes, sync, time_interleaved  # noqa: E402
+from bench_fxad import paired_ratio, peak_bytes, sync, time_interleaved  # noqa: E402
 
 import fxad  # noqa: E402
 from fxad.demo.models import TinyGPT  # noqa: E402
@@ -216,9 +219,13 @@ def bench(name: str, model: nn.Module, inputs: tuple, device: torch.device, bf16
         except Exception as e:
             steps.pop("d", None)
             row["notes"].append(f"d failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    times = time_interleaved(steps, device, args.repeats, args.warmup, block=args.block)
+    rounds: dict[str, list[float]] = {}
+    times = time_interleaved(steps, device, args.repeats, args.warmup, block=args.block,
+                             rounds=rounds)
     for k in "abcd":
         row[f"t_{k}"] = times.get(k)
+        row[f"pa_{k}"] = paired_ratio(rounds, "a", k)
+        row[f"pc_{k}"] = paired_ratio(rounds, "c", k)
         row[f"mem_{k}"] = peak_bytes(steps[k], device, getattr(steps[k], "setup", None)) \
             if k in steps else None
     return row
@@ -271,10 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"\n{row['model']} [{row['prec']}]  fxad saved {row['saved'] / 2**20:.1f} MiB, "
                   f"grad err b vs a {row['err_b']:.1e}")
-            print(f"  {'':2} {'median ms':>9} {'vs a':>7} {'vs c':>7} {'peak MiB':>8}")
+            print(f"  {'':2} {'median ms':>9} {'vs a':>7} {'vs c':>7} {'paired a':>8} "
+                  f"{'paired c':>8} {'peak MiB':>8}")
             for k in "abcd":
                 print(f"  {k:2} {_ms(row[f't_{k}'])} {_ratio(row['t_a'], row[f't_{k}']):>7} "
-                      f"{_ratio(row.get('t_c'), row[f't_{k}']):>7} {_mb(row[f'mem_{k}'])}")
+                      f"{_ratio(row.get('t_c'), row[f't_{k}']):>7} "
+                      f"{_ratio(row[f'pa_{k}'], 1.0):>8} {_ratio(row[f'pc_{k}'], 1.0):>8} "
+                      f"{_mb(row[f'mem_{k}'])}")
             for note in row["notes"]:
                 print("  note:", note)
             sys.stdout.flush()
