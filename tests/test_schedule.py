@@ -49,9 +49,8 @@ def test_simulate_grouped_runs_keep_their_inputs_alive():
     gm = fxad.trace(f, torch.randn(N, dtype=torch.bfloat16), torch.randn(N, dtype=torch.bfloat16))
     # mul, to, mul_1, to_1: one cast at a time, 2N + 4N + 2N + 4N at most
     assert simulate(gm.graph).peak_bytes == 10 * N
-    deferred = [gm.graph.find_nodes(op="placeholder")[0], gm.graph.find_nodes(op="placeholder")[1]]
     names = {n.name: n for n in gm.graph.nodes}
-    deferred += [names["mul"], names["mul_1"], names["to"], names["to_1"]]
+    deferred = [names[k] for k in ("a", "b", "mul", "mul_1", "to", "to_1")]
     # both casts at the end: 12N as one kernel (both inputs alive), 10N one after the other
     assert simulate(gm.graph, is_widening_output_cast, deferred).peak_bytes == 12 * N
     assert simulate(gm.graph, None, deferred).peak_bytes == 10 * N

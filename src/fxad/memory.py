@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch.fx as fx
 
+from .residuals import VIEW_OPS, nbytes, op_kind
+
 __all__ = ["MemoryEstimate", "simulate"]
 
 
@@ -44,8 +46,6 @@ class MemoryEstimate:
 
 
 def _is_view(node: fx.Node) -> bool:
-    from .residuals import VIEW_OPS, op_kind
-
     if node.op == "call_function" and node.target is operator.getitem:
         return True
     return node.op in ("call_function", "call_method") and op_kind(node) in VIEW_OPS
@@ -62,8 +62,6 @@ def simulate(graph: fx.Graph,
     Returns:
         :class:`MemoryEstimate`.  Nodes without ``meta['val']`` count 0 bytes.
     """
-    from .residuals import nbytes
-
     nodes = list(order) if order is not None else [n for n in graph.nodes if n.op != "output"]
     pos = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}  # node -> the node that allocated its storage
@@ -99,20 +97,17 @@ def simulate(graph: fx.Graph,
     for r, i in last.items():
         free_at.setdefault(i, []).append(r)
     alive = 0
-    live: set[fx.Node] = set()
     per_node: list[int] = []
-    peak, peak_i, peak_live = -1, 0, []
     for i, n in enumerate(nodes):
-        if root[n] is n and size[n]:
+        if root[n] is n:
             alive += size[n]
-            live.add(n)
-        per_node.append(alive)
-        if alive > peak:
-            peak, peak_i = alive, i
-            peak_live = sorted(live, key=lambda r: (-size[r], pos[r]))
+        per_node.append(alive)  # before the frees after node i
         for r in free_at.get(i, ()):
-            if r in live:
-                live.discard(r)
-                alive -= size[r]
-    return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=nodes[peak_i].name if nodes else "",
-                          live_at_peak=[r.name for r in peak_live], bytes_per_node=per_node)
+            alive -= size[r]
+    if not nodes:
+        return MemoryEstimate(peak_bytes=0, peak_node="", live_at_peak=[], bytes_per_node=[])
+    peak_i = max(range(end), key=per_node.__getitem__)  # the first node at the peak
+    live = sorted((r for r in last if size[r] and pos[r] <= peak_i <= last[r]),
+                  key=lambda r: (-size[r], pos[r]))
+    return MemoryEstimate(peak_bytes=per_node[peak_i], peak_node=nodes[peak_i].name,
+                          live_at_peak=[r.name for r in live], bytes_per_node=per_node)
