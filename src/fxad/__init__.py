@@ -18,6 +18,8 @@ from .rules.fused import fused_kernels
 from .residuals import Partition, Policy, partition, set_residual_policy
 from .training import FxadModule, compile, joint_step
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
+from . import plot  # noqa: E402  (fxad.plot.memory/coverage; matplotlib loads on use)
+from .view import View, view  # noqa: E402  (the function shadows the module name)
 
 __version__ = "0.1.0"
 
@@ -27,5 +29,5 @@ __all__ = [
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
     "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
     "JVPModule", "BatchedDerivative", "compile", "FxadModule", "joint_step", "partition",
-    "Partition", "Policy", "set_residual_policy",
+    "Partition", "Policy", "set_residual_policy", "view", "View", "plot",
 ]

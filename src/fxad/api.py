@@ -16,9 +16,10 @@ from . import codegen
 from .ad.reverse import build_vjp_graph, is_float
 from .capture.normalize import normalize
 from .capture.proxy import Emitter
-from .capture.tracer import capture
+from .capture.tracer import capture, capturing
 from .errors import InputError
 from .simplify import simplify as run_simplifier
+from .simplify.effects import input_mutations_last
 
 
 class VJPModule(fx.GraphModule):
@@ -33,7 +34,10 @@ class VJPModule(fx.GraphModule):
     record_autograd: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.record_autograd:
+        spec = self.meta.get("fxad_input_spec")
+        if spec is not None and not kwargs:
+            spec.check(args)  # what the trace specialized on (fxad.guards)
+        if self.record_autograd or capturing():  # captured by fxad again: keep grad mode
             return super().__call__(*args, **kwargs)
         with torch.no_grad():
             return super().__call__(*args, **kwargs)
@@ -109,7 +113,44 @@ def _argnums(argnums: int | Iterable[int] | None, n: int) -> tuple[int, ...] | N
 
 
 def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
-           seed_ones: bool, argnums: Any = None) -> fx.GraphModule:
+           seed_ones: bool, argnums: Any = None, dynamic: Any = None) -> fx.GraphModule:
+    out = _build_static(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
+                        seed_ones=seed_ones, argnums=argnums)
+    if dynamic is None or dynamic is False:
+        return out
+    from .dynamic import generalize
+    names = out.meta["fxad_input_spec"].names[:len(example_inputs)]
+
+    def build(inputs: tuple) -> fx.GraphModule:
+        return _build_static(f, inputs, leaf_modules=leaf_modules, simplify=simplify,
+                             seed_ones=seed_ones, argnums=argnums)
+
+    out = generalize(build, f, names, example_inputs, dynamic, out, run=_verification_run)
+    out.meta["fxad_rebuild"] = lambda: _build(
+        f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
+        argnums=argnums, dynamic=dynamic)
+    return out
+
+
+def _verification_run(gm: fx.GraphModule, inputs: tuple, template: fx.GraphModule) -> Any:
+    """Call ``gm`` on ``inputs`` and seeded random cotangents shaped as ``template``'s."""
+    from torch.utils import _pytree as pytree
+
+    from .guards import _TensorSlot
+    spec = template.meta["fxad_input_spec"]
+    gen = torch.Generator().manual_seed(0)
+    extra = []
+    for slots, tree in zip(spec.leaves[len(inputs):], spec.trees[len(inputs):]):
+        leaves = [torch.randn(s.shape, dtype=s.dtype, generator=gen).to(s.device)
+                  if isinstance(s, _TensorSlot) and (s.dtype.is_floating_point or
+                                                     s.dtype.is_complex) else None
+                  for s in slots]
+        extra.append(leaves[0] if tree is None else pytree.tree_unflatten(leaves, tree))
+    return gm(*inputs, *extra)
+
+
+def _build_static(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type],
+                  simplify: bool, seed_ones: bool, argnums: Any = None) -> fx.GraphModule:
     gm = trace(f, *example_inputs, leaf_modules=leaf_modules)
     src_mod = _source_module(f)
     with_params = src_mod is not None
@@ -150,6 +191,7 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     single = isinstance(result[0], fx.Node) and isinstance(result[0].meta.get("val"), torch.Tensor)
     if not single and not seed_ones:
         _pytree_cotangent(graph, result[0], len(input_phs))
+    input_mutations_last(graph)
     codegen.install(graph)
     name = type(src_mod).__name__ if src_mod is not None else getattr(f, "__name__", "f")
     out = VJPModule(root, graph, class_name=f"{name}VJP")
@@ -161,7 +203,32 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     out.meta["fxad_rebuild"] = lambda: _build(
         f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
         argnums=argnums)
+    out.meta["fxad_input_spec"] = _input_spec(
+        [n.name for n in input_phs], example_inputs, None if seed_ones else result[0],
+        "fxad.grad" if seed_ones else "fxad.vjp")
     return out
+
+
+def _input_spec(names: list[str], example_inputs: tuple, outputs: Any, api: str) -> Any:
+    """The guard of a generated VJP: the inputs as traced, then the cotangent (shaped like the
+    output; ``None`` for non-floating outputs)."""
+    from torch.utils import _pytree as pytree
+
+    from .guards import spec_of
+
+    examples = list(example_inputs)
+    names = list(names)
+    if outputs is not None:
+        def cot(x: Any) -> Any:
+            v = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if isinstance(v, (tuple, list)):
+                return tuple(t if is_float(t) else None for t in v)
+            return v if is_float(v) else None
+        plain = pytree.tree_map(lambda x: x, outputs, is_leaf=lambda x: isinstance(x, fx.Node))
+        examples.append(pytree.tree_map(cot, plain, is_leaf=lambda x: isinstance(x, fx.Node)))
+        names.append("cotangent")
+    return spec_of(names, examples, rebuild=f"rebuild it with {api}(f, *inputs) on inputs "
+                                            "like these")
 
 
 class _Slot:
@@ -252,7 +319,8 @@ def _install_mode_check(gm: fx.GraphModule, mod: torch.nn.Module) -> None:
 
 
 def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
-        argnums: int | Iterable[int] | None = None, simplify: bool = True) -> fx.GraphModule:
+        argnums: int | Iterable[int] | None = None, simplify: bool = True,
+        dynamic: Any = None) -> fx.GraphModule:
     """Source-to-source vector-Jacobian product of ``f`` at shapes of ``example_inputs``.
 
     Returns:
@@ -269,26 +337,36 @@ def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
         argnums: positions of the inputs to differentiate (default: all floating inputs);
             the others get ``None`` and no code is generated for them (``argnums=()`` for a
             module: parameter gradients only, as in a training step).
+        dynamic: dimensions whose size the code reads from its inputs instead of baking in
+            (``True``: dimension 0 of every tensor input; ``{"x": (0, 1)}`` or ``{0: 1}`` by
+            argument name or position); see :mod:`fxad.dynamic`.  Without it, the module
+            checks on every call that the inputs have the traced shapes, dtypes, devices and
+            Python values (:mod:`fxad.guards`).
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule (the error
             names the op, the user's line and how to register one).
         fxad.errors.CaptureError: see :func:`trace`.
+        fxad.errors.InputError: when called: inputs unlike the traced ones (shape, dtype,
+            device, Python value), naming the argument.
     """
     return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                  seed_ones=False, argnums=argnums)
+                  seed_ones=False, argnums=argnums, dynamic=dynamic)
 
 
 def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
-         argnums: int | Iterable[int] | None = None, simplify: bool = True) -> fx.GraphModule:
+         argnums: int | Iterable[int] | None = None, simplify: bool = True,
+         dynamic: Any = None) -> fx.GraphModule:
     """Gradient of a scalar-valued ``f``: ``g(*inputs)`` returns ``(value, input_grads)`` or,
-    for an ``nn.Module``, ``(value, input_grads, param_grads)``.
+    for an ``nn.Module``, ``(value, input_grads, param_grads)``.  ``argnums`` and
+    ``dynamic`` as in :func:`vjp`.
 
     Raises:
-        fxad.errors.InputError: the output is not a single floating-point scalar.
+        fxad.errors.InputError: the output is not a single floating-point scalar; when called,
+            inputs unlike the traced ones.
     """
     return _build(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                  seed_ones=True, argnums=argnums)
+                  seed_ones=True, argnums=argnums, dynamic=dynamic)
 
 
 _DELETION = re.compile(r";  (\w+ = )+None")

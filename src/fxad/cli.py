@@ -4,13 +4,19 @@ Examples::
 
     fxad demo --quick
     fxad show model.py:mlp --input "randn(4, 3)" --input "randn(3, 2)"
+    fxad show model.py:mlp --input "randn(4, 3)" --input "randn(3, 2)" --html mlp.html
     fxad check model.py:Net --input "randn(8, 16)" --input "randint(0, 10, (8,))"
+    fxad check model.py:Net --leaf Block --input "randn(8, 16)"     # Block: one op, own rule
+    fxad check model.py:mlp --dtype bfloat16 --input "randn(4, 3)" --input "randn(3, 2)"
 
 ``FILE.py:NAME`` names a function, an ``nn.Module`` subclass (instantiated with no
 arguments) or an ``nn.Module`` instance defined in ``FILE.py``.  Each ``--input`` is a Python
 expression evaluated with the names of the ``torch`` namespace available (``randn``,
 ``randint``, ``tensor``, ``float64``...), plus ``torch``, ``nn`` and ``F``; the random
-generator is seeded (``--seed``) first.
+generator is seeded (``--seed``) first.  ``--leaf CLASS`` (repeatable) keeps every instance of
+an ``nn.Module`` class as one op, as ``leaf_modules=`` does in the Python API; it needs a rule
+(``fxad.register_vjp(CLASS)``, e.g. at the bottom of ``FILE.py``).  ``CLASS`` is a class
+defined in ``FILE.py`` or a dotted path (``torch.nn.LayerNorm``, ``nn.LayerNorm``).
 
 Errors print one line, ``fxad: error: <message> (at file:line) — fix: <hint>``, and exit
 with status 2 (``fxad check`` exits with 1 when the derivatives disagree); ``--debug`` shows
@@ -58,7 +64,7 @@ def load_target(spec: str) -> tuple[Any, str]:
     if not os.path.isfile(path):
         raise UsageError(f"no such file: {path}")
     abspath = os.path.abspath(path)
-    mod_name = "_fxad_cli_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    mod_name = _module_name(path)
     mspec = importlib.util.spec_from_file_location(mod_name, abspath)
     if mspec is None or mspec.loader is None:
         raise UsageError(f"cannot import {path} (is it a .py file?)")
@@ -89,6 +95,39 @@ def load_target(spec: str) -> tuple[Any, str]:
     return obj, abspath
 
 
+def _module_name(path: str) -> str:
+    return "_fxad_cli_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+
+
+def resolve_leaves(names: Sequence[str], path: str) -> tuple[type, ...]:
+    """``--leaf`` names: module classes from the user's ``FILE.py`` (loaded by
+    :func:`load_target`) or dotted paths such as ``torch.nn.LayerNorm``."""
+    user = sys.modules.get(_module_name(path))
+    out = []
+    for name in names:
+        obj: Any = getattr(user, name, None) if user is not None and "." not in name else None
+        if obj is None:
+            head, _, rest = name.partition(".")
+            head = {"nn": "torch.nn", "F": "torch.nn.functional"}.get(head, head)
+            obj = None
+            try:
+                obj = importlib.import_module(head)
+                for part in rest.split(".") if rest else []:
+                    obj = getattr(obj, part)
+            except (ImportError, AttributeError):
+                obj = None
+        if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+            classes = sorted(k for k, v in vars(user or object).items()
+                             if isinstance(v, type) and issubclass(v, torch.nn.Module)
+                             and not k.startswith("_"))
+            raise UsageError(f"--leaf {name}: not an nn.Module class in {path} or an importable "
+                             "dotted path",
+                             hint=f"choose one of: {', '.join(classes)}" if classes else
+                             "name a module class, e.g. --leaf torch.nn.LayerNorm")
+        out.append(obj)
+    return tuple(out)
+
+
 def _is_target(v: Any) -> bool:
     if isinstance(v, type):
         return issubclass(v, torch.nn.Module)
@@ -117,14 +156,15 @@ def eval_inputs(exprs: Sequence[str], seed: int = 0) -> list[Any]:
     return values
 
 
-def _prepare(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    obj, _ = load_target(args.target)
+def _prepare(args: argparse.Namespace) -> tuple[Any, list[Any], tuple[type, ...]]:
+    obj, path = load_target(args.target)
     if isinstance(obj, torch.nn.Module) and args.eval:
         obj.eval()
+    leaves = resolve_leaves(args.leaf, path)
     if not args.input:
         raise UsageError("no inputs given", hint="pass one --input EXPR per argument of "
                                                  "the function, e.g. --input \"randn(4, 3)\"")
-    return obj, eval_inputs(args.input, args.seed)
+    return obj, eval_inputs(args.input, args.seed), leaves
 
 
 # ------------------------------------------------------------------------------------------
@@ -134,20 +174,31 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, list[Any]]:
 def cmd_show(args: argparse.Namespace) -> int:
     import fxad
 
-    obj, inputs = _prepare(args)
-    gm = fxad.grad(obj, *inputs) if args.grad else fxad.vjp(obj, *inputs)
+    obj, inputs, leaves = _prepare(args)
+    build = fxad.grad if args.grad else fxad.vjp
+    gm = build(obj, *inputs, leaf_modules=leaves)
+    if args.html:  # the interactive page (fxad.view) instead of the text
+        from .view import view
+
+        title = f"{args.target} · {'fxad.grad' if args.grad else 'fxad.vjp'}"
+        path = view(gm, policy=args.policy, title=title).save(args.html)
+        print(f"fxad: wrote {path} ({os.path.getsize(path) // 1024} KiB, self-contained: open "
+              "it in a browser)", file=sys.stderr)
+        return EXIT_OK
     fxad.show(gm, color=False if args.no_color else None)
     return EXIT_OK
 
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "keep": None}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "keep": None}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     import fxad
 
-    obj, inputs = _prepare(args)
-    report = fxad.check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed)
+    obj, inputs, leaves = _prepare(args)
+    report = fxad.check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed,
+                        leaf_modules=leaves)
     print(report)
     return EXIT_OK
 
@@ -225,14 +276,27 @@ def build_parser() -> argparse.ArgumentParser:
                             "\"randn(4, 3)\"; repeat per argument")
         c.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
         c.add_argument("--eval", action="store_true", help="call .eval() on a module first")
+        c.add_argument("--leaf", action="append", default=[], metavar="CLASS",
+                       help="keep instances of this nn.Module class as single ops (like "
+                            "leaf_modules=; the class needs an fxad.register_vjp rule); a "
+                            "class in FILE.py or a dotted path; repeatable")
         if name == "show":
             c.add_argument("--grad", action="store_true",
                            help="show fxad.grad (scalar output, cotangent 1) instead of vjp")
             c.add_argument("--no-color", action="store_true", help="plain text output")
+            c.add_argument("--html", metavar="OUT.html", default=None,
+                           help="write an interactive, self-contained HTML view instead: "
+                                "forward and backward side by side, saved tensors, memory, "
+                                "dataflow graph (fxad.view)")
+            c.add_argument("--policy", choices=["save", "min_memory"], default=None,
+                           help="with --html: show the training step of this residual policy "
+                                "(default: the code as generated)")
         else:
             c.add_argument("--dtype", choices=sorted(_DTYPES), default="float64",
                            help="dtype of the check (default float64; 'keep' keeps the "
-                                "inputs' dtypes)")
+                                "inputs' dtypes); in a dtype other than float64 the formulas "
+                                "are checked in float64 and fxad's code in the dtype against "
+                                "its rounding (see fxad.check)")
         c.set_defaults(func=func)
     return p
 
@@ -277,7 +341,7 @@ def format_error(exc: BaseException, user_file: str | None = None) -> str:
         text += f" (at {where})"
     hint = getattr(exc, "hint", None)
     if hint:
-        text += f" — fix: {hint}"
+        text += f" — fix: {' '.join(str(hint).split())}"  # one line, even for code examples
     elif not isinstance(exc, (FxadError, UsageError)):
         text += " — rerun with --debug for the full traceback"
     return text

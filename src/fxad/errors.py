@@ -3,7 +3,10 @@
 Every error fxad raises derives from :class:`FxadError`.  Errors that concern a
 particular operation of the user's program carry the op's name and, when it is
 known, the user's ``file:line`` and source text, and end with a hint on how to
-fix the problem (``concrete_args``, marking a leaf module, ``register_vjp``).
+fix the problem.  A hint names only options that exist (``leaf_modules=`` of
+:func:`fxad.vjp` and friends / ``--leaf`` of the command line,
+:func:`fxad.register_vjp`, ``torch.where``...); ``tests/test_hints.py`` checks every
+hint in the source.
 """
 from __future__ import annotations
 

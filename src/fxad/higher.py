@@ -63,6 +63,9 @@ class JVPModule(fx.GraphModule):
             raise InputError("fxad JVP modules take positional arguments only: "
                              "gm(*primals, *tangents)")
         args = self._check_arguments(args)
+        spec = self.meta.get("fxad_input_spec")
+        if spec is not None:  # what the trace specialized on (fxad.guards)
+            spec.check(args[:len(spec.names)])
         if self.record_autograd:
             return super().__call__(*args)
         with torch.no_grad():
@@ -118,8 +121,8 @@ def _check_tangent(name: str, primal: Any, tangent: Any, captured: Any,
     for k, (p, c, t) in enumerate(zip(p_leaves, c_leaves, t_leaves)):
         where = f"`{tname}`" + (f" (leaf {k})" if len(p_leaves) > 1 else "")
         if isinstance(c, torch.Tensor):
-            if not isinstance(p, torch.Tensor) or tuple(p.shape) != tuple(c.shape) \
-                    or p.dtype != c.dtype:
+            # (the exact shape is the guard's to check: a dimension may be dynamic)
+            if not isinstance(p, torch.Tensor) or p.dim() != c.dim() or p.dtype != c.dtype:
                 raise InputError(
                     f"input `{name}`" + (f" (leaf {k})" if len(p_leaves) > 1 else "")
                     + f" has {_describe(p)}, but the JVP was generated for {_describe(c)}; "
@@ -176,6 +179,8 @@ def _build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
     if simplify:
         run_simplifier(graph)
     name_tangents(graph)
+    from .simplify.effects import input_mutations_last
+    input_mutations_last(graph)
     codegen.install(graph)
     if name is None:
         name = type(src_mod).__name__ if src_mod is not None else \
@@ -186,13 +191,18 @@ def _build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out.meta["fxad_jvp_inputs"] = [(n.name, n.meta.get("val"), d)
                                    for n, d in zip(phs, info["differentiated"])]
+    from .guards import spec_of
+    out.meta["fxad_input_spec"] = spec_of(
+        [n.name for n in phs], example_inputs,
+        rebuild="rebuild it with fxad.jvp(f, *inputs) on inputs like these")
     if src_mod is not None:
         _install_mode_check(out, src_mod)
     return out
 
 
 def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
-        argnums: int | Iterable[int] | None = None, simplify: bool = True) -> JVPModule:
+        argnums: int | Iterable[int] | None = None, simplify: bool = True,
+        dynamic: Any = None) -> JVPModule:
     """Source-to-source Jacobian-vector product (forward mode) of ``f``.
 
     Returns:
@@ -205,14 +215,37 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
 
     Args:
         argnums: positions of the inputs to differentiate (default: all floating inputs).
+        dynamic: dimensions made generic, as in :func:`fxad.vjp` (:mod:`fxad.dynamic`).
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule.
-        fxad.errors.InputError (when called): wrong number of arguments, or a tangent whose
-            structure, shape or dtype does not match its primal.
+        fxad.errors.InputError (when called): wrong number of arguments, a primal unlike the
+            traced one (shape, dtype, device, Python value), or a tangent whose structure,
+            shape or dtype does not match its primal.
     """
-    return _build_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                      argnums=argnums)
+    out = _build_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
+                     argnums=argnums)
+    if dynamic is None or dynamic is False:
+        return out
+    from .dynamic import generalize
+    names = out.meta["fxad_input_spec"].names
+
+    def build(inputs: tuple) -> fx.GraphModule:
+        return _build_jvp(f, inputs, leaf_modules=leaf_modules, simplify=simplify,
+                          argnums=argnums)
+
+    def run(gm: fx.GraphModule, inputs: tuple, template: fx.GraphModule) -> Any:
+        gen = torch.Generator().manual_seed(0)
+        tangents = []
+        for (name, captured, differentiated), x in zip(template.meta["fxad_jvp_inputs"],
+                                                        inputs):
+            tangents.append(pytree.tree_map(
+                lambda v: torch.randn(v.shape, dtype=v.dtype, generator=gen)
+                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+                else None, x) if differentiated else None)
+        return gm(*inputs, *tangents)
+
+    return generalize(build, f, names, example_inputs, dynamic, out, run=run)
 
 
 def _function_only(f: Any, what: str) -> Any:

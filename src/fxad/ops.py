@@ -29,12 +29,128 @@ def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     return out
 
 
+def autograd_function(name: str, inputs: tuple, outputs: Any, saved: tuple = ()) -> Any:
+    """Marks the outputs of a custom ``torch.autograd.Function`` (class ``name``) in a
+    captured graph; returns ``outputs`` unchanged.
+
+    The Function's forward ops are recorded before this call (they run without gradient
+    tracking, as in eager PyTorch); ``inputs`` are its arguments and ``saved`` the tensors its
+    ``ctx`` keeps for the backward (``ctx.save_for_backward`` and tensor attributes).  fxad
+    differentiates this node with the Function's own ``backward`` (and ``jvp``), captured as
+    code (see :mod:`fxad.capture.custom`).
+    """
+    if isinstance(outputs, torch.fx.Proxy):  # called while writing graph code
+        return outputs.tracer.create_proxy("call_function", autograd_function,
+                                           (name, inputs, outputs, saved), {})
+    return outputs
+
+
+def _is_proxy(*values: Any) -> Any:
+    from torch.utils import _pytree as pytree
+    for v in pytree.tree_leaves(values):
+        if isinstance(v, torch.fx.Proxy):
+            return v.tracer
+    return None
+
+
+def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
+    """``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``: ``torch.cond`` as fxad
+    captures it (both branches are graphs of the module; the predicate is read at run time,
+    so one build is right whichever branch the data takes).
+
+    Args:
+        pred: a one-element tensor (or a Python bool).
+        true_fn, false_fn: callables taking ``*operands`` and returning tensors of the same
+            shapes and dtypes.
+        operands: tuple of tensors (the branch inputs, then the tensors the branches read
+            from outside, lifted by capture).
+    """
+    tracer = _is_proxy(pred, operands)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", cond, (pred, true_fn, false_fn, operands), {})
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+def while_loop(cond_fn: Any, body_fn: Any, carried: tuple, additional: tuple = ()) -> tuple:
+    """``torch.while_loop`` as fxad captures it: while ``cond_fn(*carried, *additional)``,
+    ``carried = body_fn(*carried, *additional)``; returns the final ``carried`` tuple.
+    ``additional`` are the tensors the functions read from outside (lifted by capture)."""
+    tracer = _is_proxy(carried, additional)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", while_loop,
+                                   (cond_fn, body_fn, carried, additional), {})
+    carried = tuple(carried)
+    while bool(cond_fn(*carried, *additional)):
+        carried = tuple(body_fn(*carried, *additional))
+    return carried
+
+
+def while_loop_vjp(cond_fn: Any, body_fn: Any, body_vjp: Any, carried: tuple,
+                   additional: tuple, cotangents: tuple) -> tuple:
+    """Reverse mode of :func:`while_loop`, by recomputation: the loop runs forward again
+    from ``carried`` keeping every iteration's state (memory: one copy of the carried
+    tensors per iteration, only while this backward runs), then the body's VJP
+    (``body_vjp(*state, *additional, cotangent) -> (value, grads)``, fxad-generated code)
+    runs over the states in reverse.  Returns the cotangents of ``(*carried, *additional)``
+    (``None`` for non-floating ones)."""
+    tracer = _is_proxy(carried, additional, cotangents)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", while_loop_vjp,
+                                   (cond_fn, body_fn, body_vjp, carried, additional,
+                                    cotangents), {})
+    states = []
+    c = tuple(carried)
+    while bool(cond_fn(*c, *additional)):
+        states.append(c)
+        c = tuple(body_fn(*c, *additional))
+    n = len(c)
+    d_c = [d if d is not None or not _floating(v) else torch.zeros_like(v)
+           for d, v in zip(cotangents, c)]
+    d_add: list[Any] = [None] * len(additional)
+    for state in reversed(states):
+        _, grads = body_vjp(*state, *additional, tuple(d_c))
+        d_c = [g if g is not None or not _floating(v) else torch.zeros_like(v)
+               for g, v in zip(grads[:n], state)]
+        for k, g in enumerate(grads[n:]):
+            if g is not None:
+                d_add[k] = g if d_add[k] is None else d_add[k] + g
+    return tuple(d_c) + tuple(d_add)
+
+
+def while_loop_jvp(cond_fn: Any, body_jvp: Any, carried: tuple, tangents: tuple,
+                   additional: tuple, additional_tangents: tuple) -> tuple:
+    """Forward mode of :func:`while_loop`: the loop carries the tangents beside the values,
+    each step running the body's JVP (``body_jvp(*primals, *tangents) -> (value, tangent)``,
+    fxad-generated code); returns ``(carried, tangents)``."""
+    tracer = _is_proxy(carried, tangents, additional)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", while_loop_jvp,
+                                   (cond_fn, body_jvp, carried, tangents, additional,
+                                    additional_tangents), {})
+    c, t = tuple(carried), tuple(tangents)
+    while bool(cond_fn(*c, *additional)):
+        c, t = body_jvp(*c, *additional, *t, *additional_tangents)
+        c, t = tuple(c), tuple(t)
+    return c, t
+
+
+def _floating(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
 def _register_builtins() -> None:
     try:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:  # pragma: no cover - very old torch
         return
     _register_custom_builtin("fxad_setitem", "from fxad.ops import setitem as fxad_setitem", setitem)
+    _register_custom_builtin("fxad_autograd_function",
+                             "from fxad.ops import autograd_function as fxad_autograd_function",
+                             autograd_function)
+    for name, fn in (("cond", cond), ("while_loop", while_loop),
+                     ("while_loop_vjp", while_loop_vjp), ("while_loop_jvp", while_loop_jvp)):
+        _register_custom_builtin(f"fxad_{name}", f"from fxad.ops import {name} as fxad_{name}",
+                                 fn)
 
 
 _register_builtins()

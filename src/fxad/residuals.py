@@ -50,6 +50,21 @@ themselves available.  ``policy`` chooses:
     effects are never recomputed; a ``"recompute"`` that cannot be honoured (an input
     placeholder) raises :class:`fxad.InputError`.
 
+Activation checkpointing
+------------------------
+Whatever the policy, the forward values computed inside a ``torch.utils.checkpoint`` region
+(``node.meta['fxad_checkpoint']``, set by the capture) or inside a submodule selected by a
+:class:`Checkpoint` (``checkpoint=`` of :func:`partition`), and used only inside it, are
+recomputed in the backward; the region's inputs and outputs are saved as the policy says
+(its outputs are kept as computed, as ``torch.utils.checkpoint`` keeps them), random ops
+and ops with side effects inside it are saved (:func:`checkpoint_regions`,
+``Partition.checkpointed``, ``report()``).
+
+Staged backward
+---------------
+:func:`split_backward` cuts ``bwd_gm`` into stages that return parameter gradients as they
+are completed, for :func:`fxad.compile`'s bridge under DDP and FSDP (``grad_release=``).
+
 Which ops count as cheap comes from the rules: a rule declares ``recompute=True`` (every
 elementwise unary rule does) or ``recompute=False``; ops without a declaration are cheap when
 their name is in :data:`CHEAP_OPS`.  Op-kind defaults can also be set globally with
@@ -73,7 +88,8 @@ from .errors import InputError
 from .simplify import dce, fold_algebra, fold_shapes
 from .simplify._util import is_impure, is_random, resolve
 
-__all__ = ["Policy", "Partition", "partition", "joint_graph", "op_kind", "set_residual_policy",
+__all__ = ["Policy", "Checkpoint", "Partition", "partition", "joint_graph", "op_kind",
+           "set_residual_policy", "checkpoint_regions", "split_backward", "StagedBackward",
            "CHEAP_OPS", "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes", "residual_kind"]
 
 ELEMENTWISE_OPS = frozenset({
@@ -191,6 +207,177 @@ def as_policy(policy: str | Policy | None) -> Policy:
                      "fxad.residuals.Policy")
 
 
+@dataclass
+class Checkpoint:
+    """Activation checkpointing chosen at the model level (``checkpoint=`` of
+    :func:`partition`, :func:`fxad.compile`, :func:`fxad.joint_step`).
+
+    The forward values computed inside a checkpointed submodule are recomputed in the
+    backward instead of being saved; only what enters the submodule (and what leaves it,
+    when the code after it needs that) is saved, as ``torch.utils.checkpoint`` around the
+    submodule's call would do.
+
+    Attributes:
+        modules: which submodules are candidates: a module class or a tuple of classes
+            (every instance, e.g. ``Block``), or module names as in ``named_modules()``
+            (``["blocks.0", "blocks.3"]``).  Candidates are ordered as the forward first
+            runs them.
+        every: checkpoint every ``every``-th candidate (``1``: all of them; ``2``: the 1st,
+            3rd, 5th, ...).
+        budget: instead of ``every``: a memory budget in bytes.  The fewest leading
+            candidates are checkpointed (the first ``j``, found by bisection) for which the
+            simulated peak of the training step (:func:`fxad.memory.simulate` of
+            :func:`joint_graph`: the tensors allocated during the step, not the parameters
+            or inputs) is at most ``budget``; if even all of them do not reach it, all are
+            checkpointed and a warning says so.  The leading blocks are chosen because
+            their activations live longest and their recomputation runs at the end of the
+            backward, where the least memory is in use.
+        user_regions: also honour the model's own ``torch.utils.checkpoint`` regions
+            (captured as ``node.meta['fxad_checkpoint']``).
+    """
+
+    modules: Any = None
+    every: int = 1
+    budget: int | None = None
+    user_regions: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise InputError(f"Checkpoint(every={self.every}): must be 1 or more")
+        if self.budget is not None and self.budget < 0:
+            raise InputError(f"Checkpoint(budget={self.budget}): must be a number of bytes >= 0")
+        if self.modules is None and (self.budget is not None or self.every != 1):
+            raise InputError("Checkpoint(every=/budget=) needs modules=: a module class (e.g. "
+                             "your transformer block) or a list of module names")
+
+
+def as_checkpoint(checkpoint: "Checkpoint | bool | None") -> "Checkpoint | None":
+    """``None``/``True``: the user's ``torch.utils.checkpoint`` regions only; ``False``: no
+    regions at all; a :class:`Checkpoint` as given."""
+    if checkpoint is None or checkpoint is True:
+        return Checkpoint()
+    if checkpoint is False:
+        return None
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint
+    raise InputError(f"checkpoint={checkpoint!r}: use a fxad.residuals.Checkpoint, True/None "
+                     "(honour torch.utils.checkpoint regions) or False (ignore them)")
+
+
+def _origin_meta(vjp_gm: fx.GraphModule) -> Any:
+    """``node -> meta`` of the captured node a forward node of the VJP graph comes from (the
+    node a rule's ``fwd`` wrote it for, ``meta['fxad_fwd_of']``, in the captured graph
+    ``vjp_gm.meta['fxad_forward']``), else the node's own meta."""
+    fw = vjp_gm.meta.get("fxad_forward")
+    by_name = {n.name: n for n in fw.graph.nodes} if isinstance(fw, fx.GraphModule) else {}
+
+    def meta_of(n: fx.Node) -> dict:
+        o = n.meta.get("fxad_fwd_of")
+        if o is not None and o in by_name:
+            return by_name[o].meta
+        return n.meta
+    return meta_of
+
+
+def _module_path_entries(meta: dict) -> list[tuple[str, Any]]:
+    """``(module path, module class)`` of each entry of ``meta['nn_module_stack']``."""
+    out = []
+    for k, v in (meta.get("nn_module_stack") or {}).items():
+        if isinstance(v, tuple) and len(v) == 2:
+            out.append((str(v[0]), v[1]))
+        else:
+            out.append((str(k), v))
+    return out
+
+
+def _class_matches(cls: Any, wanted: tuple) -> bool:
+    if isinstance(cls, type):
+        return issubclass(cls, wanted)
+    name = str(cls)  # some captures record the class as a string
+    return any(name in (t.__name__, t.__qualname__, f"{t.__module__}.{t.__qualname__}")
+               for t in wanted)
+
+
+def checkpoint_candidates(vjp_gm: fx.GraphModule, modules: Any) -> list[str]:
+    """Module paths of the graph's forward nodes matching ``modules`` (a class, a tuple of
+    classes or module names), in the order the forward first reaches them."""
+    meta_of = _origin_meta(vjp_gm)
+    if isinstance(modules, type) or (isinstance(modules, tuple) and modules
+                                     and all(isinstance(t, type) for t in modules)):
+        wanted = modules if isinstance(modules, tuple) else (modules,)
+
+        def match(path: str, cls: Any) -> bool:
+            return _class_matches(cls, wanted)
+    else:
+        names = [modules] if isinstance(modules, str) else list(modules)
+        if not all(isinstance(x, str) for x in names):
+            raise InputError("Checkpoint(modules=...): a module class, a tuple of classes, or "
+                             "module names (strings) as in named_modules()")
+        name_set = set(names)
+
+        def match(path: str, cls: Any) -> bool:
+            return path in name_set
+    found: dict[str, None] = {}
+    for n in vjp_gm.graph.nodes:
+        if n.op == "output" or n.meta.get("fxad_bwd_of") is not None:
+            continue
+        for path, cls in _module_path_entries(meta_of(n)):
+            if path not in found and match(path, cls):
+                found[path] = None
+    return list(found)
+
+
+def checkpoint_regions(vjp_gm: fx.GraphModule, forward_nodes: list[fx.Node],
+                       user_regions: bool = True, modules: Iterable[str] = ()
+                       ) -> list[tuple[str, list[fx.Node]]]:
+    """The activation-checkpointing regions of the forward nodes ``forward_nodes`` (in graph
+    order): ``[(label, nodes), ...]`` in forward order.
+
+    A node belongs to a region when its captured node carries ``meta['fxad_checkpoint']``
+    (the id of the innermost ``torch.utils.checkpoint`` call it was recorded in; with
+    ``user_regions``) or was recorded inside one of the submodules ``modules`` (paths, from
+    ``meta['nn_module_stack']``).  Regions whose spans in the forward order overlap (a call
+    nested in another, a checkpointed call inside a checkpointed module) are merged into the
+    outermost one, which is what ``torch.utils.checkpoint`` recomputes; every forward node
+    within a merged span belongs to it."""
+    meta_of = _origin_meta(vjp_gm)
+    mods = set(modules)
+    pos = {n: i for i, n in enumerate(forward_nodes)}
+    spans: dict[Any, list[int]] = {}
+    names: dict[Any, str] = {}
+    for n in forward_nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        m = meta_of(n)
+        labels = []
+        rid = m.get("fxad_checkpoint", n.meta.get("fxad_checkpoint")) if user_regions else None
+        if rid is not None:
+            labels.append(("user", rid))
+            names[("user", rid)] = f"torch.utils.checkpoint #{rid}"
+        if mods:
+            for path, _ in _module_path_entries(m):
+                if path in mods:
+                    labels.append(("module", path))
+                    names[("module", path)] = path
+                    break
+        for lab in labels:
+            sp = spans.setdefault(lab, [pos[n], pos[n]])
+            sp[1] = pos[n]
+    merged: list[tuple[int, int, list[Any]]] = []
+    for lab, (a, b) in sorted(spans.items(), key=lambda kv: (kv[1][0], -kv[1][1])):
+        if merged and a <= merged[-1][1]:
+            lo, hi, labs = merged[-1]
+            merged[-1] = (lo, max(hi, b), labs + [lab])
+        else:
+            merged.append((a, b, [lab]))
+    out = []
+    for a, b, labs in merged:
+        label = " + ".join(names[x] for x in labs)
+        out.append((label, [n for n in forward_nodes[a:b + 1]
+                            if n.op not in ("placeholder", "get_attr", "output")]))
+    return out
+
+
 def nbytes(node: fx.Node) -> int:
     """Bytes of a node's value from ``meta['val']`` (0 for non-tensor values)."""
     return sum(int(v.numel()) * v.element_size()
@@ -293,7 +480,11 @@ class _CommentCodeGen(fx.graph.CodeGen):
         if self.boxed:  # one list argument, emptied on entry: the graph owns its inputs
             names = [v for v in free_vars if v != "self"]
             text = super().gen_fn_def(["self", "args"], maybe_return_annotation)
-            text += f"\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args; args.clear()"
+            if names:
+                text += (f"\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args; "
+                         "args.clear()")
+            else:
+                text += "\n    args.clear()"
         else:
             text = super().gen_fn_def(free_vars, maybe_return_annotation, **kw)
         if self.head:
@@ -329,6 +520,9 @@ class Partition:
             declaration (``""`` if none).
         lifted_params: ``fwd_gm`` takes the parameters of ``param_names`` after the inputs.
         root: the module both graphs read their parameters and buffers from.
+        checkpointed: per activation-checkpointing region ``(label, recomputed node
+            names, names of the saved values entering it (parameters aside), their bytes,
+            names of its saved outputs)``; ``checkpoint_note``: how a memory budget was met.
     """
 
     fwd_gm: fx.GraphModule
@@ -345,9 +539,13 @@ class Partition:
     blocks: list[tuple[str, list[str], int, str, str]]
     lifted_params: bool = False
     root: Any = field(default=None, repr=False)
+    checkpointed: list[tuple[str, list[str], list[str], int, list[str]]] = \
+        field(default_factory=list)
+    checkpoint_note: str = ""
 
     def report(self) -> str:
-        """Table of saved bytes per backward block, and the totals."""
+        """Table of saved bytes per backward block, and the totals; then the activation
+        checkpointing regions, if any."""
         lines = [f"saved for backward: {len(self.saved_names)} values, "
                  f"{_fmt_bytes(self.saved_bytes)}; recomputed in backward: "
                  f"{len(self.recomputed)} nodes"]
@@ -355,6 +553,16 @@ class Partition:
             note = f" (rule declares {decl})" if decl and decl != kind.split(" ")[0] else ""
             lines.append(f"  {_fmt_bytes(b):>10}  saves {kind + note:<24} "
                          f"{', '.join(names) or '-':<40}  <- {stmt}")
+        if self.checkpointed:
+            lines.append(f"activation checkpointing: {len(self.checkpointed)} region(s); the "
+                         "values computed inside a region are recomputed in the backward, "
+                         "not saved")
+            if self.checkpoint_note:
+                lines.append(f"  {self.checkpoint_note}")
+            for label, rec, ins, b, outs in self.checkpointed:
+                extra = f"; saves its output(s) {', '.join(outs)}" if outs else ""
+                lines.append(f"  region {label}: recomputes {len(rec)} node(s); saves its "
+                             f"inputs {', '.join(ins) or '-'} ({_fmt_bytes(b)}){extra}")
         return "\n".join(lines) + "\n"
 
 
@@ -459,7 +667,8 @@ def residual_kind(value: fx.Node | None, emitted: Iterable[fx.Node],
 
 
 def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory", *,
-              lift_params: bool = False) -> Partition:
+              lift_params: bool = False,
+              checkpoint: "Checkpoint | bool | None" = None) -> Partition:
     """Split the graph of ``fxad.vjp(model_or_fn, *inputs)`` into forward and backward graphs
     with the residual policy ``policy`` (see the module docstring).
 
@@ -467,7 +676,62 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     ``fwd_gm(*inputs, *params)`` (``params`` in the order of ``param_names``), and the
     backward reads them as saved values (which cost no memory: the model holds them);
     otherwise both graphs read them from the module (``self.fc.weight``).
+
+    Activation checkpointing (``checkpoint``; default: the model's own
+    ``torch.utils.checkpoint(fn, ..., use_reentrant=False)`` regions, captured as
+    ``node.meta['fxad_checkpoint']``): the forward values computed inside a region and used
+    only inside it are recomputed in the backward instead of being saved, whatever the
+    policy (random ops and ops with side effects excepted: they are saved); the region's
+    inputs are saved, and so are its outputs where code after the region needs them, as
+    ``torch.utils.checkpoint`` keeps them.  A :class:`Checkpoint` adds regions by submodule
+    (every k-th block, or as many as a memory budget needs); ``False`` ignores all regions.
+    ``part.checkpointed`` and ``part.report()`` list the regions, what each recomputes and
+    the inputs it saves.
     """
+    ck = as_checkpoint(checkpoint)
+    if ck is None:
+        return _partition(vjp_gm, policy, lift_params, False, [])
+    if ck.modules is None:
+        return _partition(vjp_gm, policy, lift_params, ck.user_regions, [])
+    cands = checkpoint_candidates(vjp_gm, ck.modules)
+    if not cands:
+        raise InputError(f"Checkpoint(modules={ck.modules!r}): no forward node was recorded "
+                         "inside a matching submodule")
+    if ck.budget is None:
+        part = _partition(vjp_gm, policy, lift_params, ck.user_regions, cands[::ck.every])
+        return part
+    from .memory import simulate
+
+    peaks: dict[int, int] = {}
+
+    def peak(j: int) -> int:
+        if j not in peaks:
+            p = _partition(vjp_gm, policy, False, ck.user_regions, cands[:j])
+            peaks[j] = simulate(joint_graph(p).graph).peak_bytes
+        return peaks[j]
+
+    lo, hi = 0, len(cands)
+    if peak(hi) > ck.budget:
+        import warnings
+        warnings.warn(f"fxad: Checkpoint(budget={ck.budget}): even with all {len(cands)} "
+                      f"candidate modules checkpointed the simulated peak is {peak(hi)} bytes; "
+                      "checkpointing all of them", stacklevel=2)
+        lo = hi
+    while lo < hi:  # the smallest j with peak(j) <= budget
+        mid = (lo + hi) // 2
+        if peak(mid) <= ck.budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    part = _partition(vjp_gm, policy, lift_params, ck.user_regions, cands[:lo])
+    part.checkpoint_note = (f"budget {_fmt_bytes(ck.budget)}: {lo} of {len(cands)} candidate "
+                            f"modules checkpointed, simulated step peak {_fmt_bytes(peak(lo))} "
+                            f"(none checkpointed: {_fmt_bytes(peak(0))})")
+    return part
+
+
+def _partition(vjp_gm: fx.GraphModule, policy: str | Policy | None, lift_params: bool,
+               user_regions: bool, ckpt_modules: list[str]) -> Partition:
     pol = as_policy(policy)
     result = vjp_gm.graph.output_node().args[0]
     if lift_params and len(result) > 2:
@@ -519,6 +783,20 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     avail = inputs + fwd  # candidates for saving / recomputing
     idx = {n: i for i, n in enumerate(avail)}
 
+    # --- activation checkpointing: values used only inside a region are recomputed
+    regions = checkpoint_regions(vjp_gm, fwd, user_regions, ckpt_modules) \
+        if (user_regions or ckpt_modules) else []
+    region_of: dict[fx.Node, int] = {}
+    for ri, (_, rn) in enumerate(regions):
+        for n in rn:
+            region_of[n] = ri
+    fwd_set = set(fwd)
+    out_set = set(out_leaves)
+    internal: set[fx.Node] = set()
+    for n, ri in region_of.items():
+        if n not in out_set and all(region_of.get(u) == ri for u in n.users if u in fwd_set):
+            internal.add(n)
+
     # values read by the backward (directly, or by the graph outputs as gradients)
     grad_nodes = [g for g in list(in_grads) + list(param_grads.values()) if isinstance(g, fx.Node)]
     needed_b: set[fx.Node] = set()
@@ -538,6 +816,13 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
             if v.name in pol.by_node and pol.by_node[v.name] == "recompute":
                 raise InputError(f"cannot recompute `{v.name}`: it is an input, has a side "
                                  "effect or is random")
+        elif v in internal and pol.by_node.get(v.name) != "save":
+            c = "recompute"  # inside an activation-checkpointing region
+        elif v in region_of and v.name not in pol.by_node:
+            # a region's output is kept as computed (as torch.utils.checkpoint's outputs
+            # are): recomputing it would recompute the region's insides early in the
+            # backward and keep them alive until the region's own backward
+            c = "save"
         else:
             c = pol.choice(v)
         choice[v] = c
@@ -704,13 +989,23 @@ def partition(vjp_gm: fx.GraphModule, policy: str | Policy | None = "min_memory"
     bwd_gm = fx.GraphModule(root, bg, class_name="BackwardGraph")
     fwd_gm.saved_names = [s.name for s in saved]  # type: ignore[assignment]
     bwd_gm.saved_names = fwd_gm.saved_names  # type: ignore[assignment]
+    checkpointed = []
+    for label, rn in regions:
+        rset = set(rn)
+        rec = [n.name for n in rn if n in recompute]
+        ins = [s for s in saved if s not in rset and any(u in rset for u in s.users)
+               and not s.meta.get("fxad_param")]  # (lifted parameters cost nothing)
+        outs_saved = [s for s in saved if s in rset]
+        checkpointed.append((label, rec, [s.name for s in ins], sum(_cost(s) for s in ins),
+                             [s.name for s in outs_saved]))
     return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved_names=[s.name for s in saved],
                      saved_bytes=saved_total,
                      recomputed=[n.name for n in avail if n in recompute],
                      n_outputs=len(out_leaves), out_spec=out_spec,
                      float_outputs=float_outputs, input_grads=input_grads,
                      param_names=param_names, param_has_grad=has_grad, blocks=blocks,
-                     lifted_params=lift_params and bool(param_names), root=root)
+                     lifted_params=lift_params and bool(param_names), root=root,
+                     checkpointed=checkpointed)
 
 
 def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
@@ -794,3 +1089,135 @@ def joint_graph(part: Partition, *, with_params: bool = True) -> fx.GraphModule:
     g._codegen = _CommentCodeGen(head="\n".join(head))
     codegen.install(g)
     return fx.GraphModule(part.root, g, class_name="JointGraph")
+
+
+# --------------------------------------------------------------------------- staged backward
+
+@dataclass
+class StagedBackward:
+    """The backward graph of a :class:`Partition` cut into stages (:func:`split_backward`).
+
+    Attributes:
+        stages: ``stages[s]([...]) -> (*carry, *grads)``: stage 0 takes the list
+            ``[*saved, *cotangents]`` as ``bwd_gm`` does, each later stage the ``carry`` list
+            of the one before (the values still needed, emptied on entry); the last stage
+            returns ``(*input_grads, *grads)``.
+        n_carry: number of carried values each stage returns before its gradients.
+        params: per stage, the indices (into ``part.param_names``) of the parameter
+            gradients it returns, in order.
+        reads: per stage, the indices of the (lifted) parameters whose values it reads.
+    """
+
+    stages: list[fx.GraphModule]
+    n_carry: list[int]
+    params: list[list[int]]
+    reads: list[list[int]]
+
+
+def split_backward(part: Partition, units: list[list[int]] | None = None,
+                   min_bytes: int = 0) -> StagedBackward | None:
+    """Cut ``part.bwd_gm`` so that parameter gradients can be released while the rest of
+    the backward still runs (DDP's bucketed all-reduce, FSDP's reduce-scatter).
+
+    ``units``: groups of parameter indices whose gradients are released together (default:
+    each parameter alone); only parameters with a gradient count.  A unit is complete at
+    the backward node that computes its last gradient; going through the units in that
+    order, a stage ends after a unit once the stage holds at least ``min_bytes`` bytes of
+    gradients (``0``: a stage per completion point).  The last stage also returns the input
+    gradients.  Returns ``None`` when there would be a single stage.  The stages run the
+    nodes of ``bwd_gm`` in its order: the values computed are the same, and each stage
+    passes on only the values still needed (the rest is freed at its end).
+    """
+    bg = part.bwd_gm.graph
+    nodes = list(bg.nodes)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    comp = [n for n in nodes if n.op not in ("placeholder", "output")]
+    out_args = list(bg.output_node().args[0])
+    n_in = len(part.input_grads)
+    pos = {n: i for i, n in enumerate(comp)}
+    grad_of: dict[int, fx.Node] = {}
+    for i, g in enumerate(out_args[n_in:]):
+        if isinstance(g, fx.Node):
+            grad_of[i] = g
+    if units is None:
+        units = [[i] for i in grad_of]
+    units = [[i for i in u if i in grad_of] for u in units]
+    units = [u for u in units if u]
+    if len(units) < 2:
+        return None
+    done: dict[int, list[int]] = {}  # completion position -> param indices
+    for u in units:
+        c = max(pos.get(grad_of[i], -1) for i in u)
+        done.setdefault(c, []).extend(u)
+    order = sorted(done)
+    cuts: list[int] = []  # a stage ends after comp[c] for c in cuts
+    stage_params: list[list[int]] = [[]]
+    acc = 0
+    for k, c in enumerate(order):
+        stage_params[-1].extend(done[c])
+        acc += sum(nbytes(grad_of[i]) for i in done[c])
+        if k < len(order) - 1 and acc >= min_bytes and (not cuts or c > cuts[-1]) and c >= 0:
+            cuts.append(c)
+            stage_params.append([])
+            acc = 0
+    if not cuts:
+        return None
+    if not stage_params[-1]:  # nothing left for the last stage
+        stage_params.pop()
+        cuts.pop()
+        if not cuts:
+            return None
+    n_st = len(cuts) + 1
+    bounds = [0] + [c + 1 for c in cuts] + [len(comp)]
+    seg = {n: s for s in range(n_st) for n in comp[bounds[s]:bounds[s + 1]]}
+    for p in phs:
+        seg[p] = -1
+    last_use: dict[fx.Node, int] = {}
+    for n in comp:
+        for a in n.all_input_nodes:
+            last_use[a] = max(last_use.get(a, -1), seg[n])
+    for g in out_args[:n_in]:
+        if isinstance(g, fx.Node):
+            last_use[g] = n_st - 1
+    for s, ps in enumerate(stage_params):
+        for i in ps:
+            last_use[grad_of[i]] = max(last_use.get(grad_of[i], -1), s)
+    order_all = phs + comp
+    param_ph = {p: p.meta.get("fxad_param") for p in phs if p.meta.get("fxad_param")}
+    index_of = {name: i for i, name in enumerate(part.param_names)}
+    stages: list[fx.GraphModule] = []
+    n_carry: list[int] = []
+    reads: list[list[int]] = []
+    for s in range(n_st):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        ins = phs if s == 0 else [v for v in order_all
+                                  if seg[v] < s and last_use.get(v, -1) >= s]
+        for v in ins:
+            env[v] = g.placeholder(v.name)
+            env[v].meta = dict(v.meta)
+        r: set[int] = set()
+        for n in comp[bounds[s]:bounds[s + 1]]:
+            env[n] = g.node_copy(n, lambda x: env[x])
+            for a in n.all_input_nodes:
+                if a in param_ph and param_ph[a] in index_of:
+                    r.add(index_of[param_ph[a]])
+        reads.append(sorted(r))
+        if s < n_st - 1:
+            carry = [v for v in order_all if seg[v] <= s and last_use.get(v, -1) >= s + 1]
+            outs = [env[v] for v in carry] + [env[grad_of[i]] for i in stage_params[s]]
+            n_carry.append(len(carry))
+            what = f"gradients of {', '.join(part.param_names[i] for i in stage_params[s])}"
+        else:
+            outs = [env[x] if isinstance(x, fx.Node) else x for x in out_args[:n_in]]
+            outs += [env[grad_of[i]] for i in stage_params[s]]
+            n_carry.append(0)
+            what = ("input gradients and " if any(part.input_grads) else "") + \
+                f"gradients of {', '.join(part.param_names[i] for i in stage_params[s])}"
+        g.output(tuple(outs))
+        head = "\n".join("# " + ln for ln in textwrap.wrap(
+            f"backward stage {s + 1} of {n_st}: returns the {what}", 88))
+        g._codegen = _CommentCodeGen(head=head, boxed=True)
+        codegen.install(g)
+        stages.append(fx.GraphModule(part.root, g, class_name=f"BackwardStage{s}"))
+    return StagedBackward(stages=stages, n_carry=n_carry, params=stage_params, reads=reads)

@@ -4,8 +4,8 @@
 
 The list is built from :func:`fxad.all_rules` (never maintained by hand): one row per
 registered op, saying whether it has a hand-written rule or only the autograd fallback
-(:mod:`fxad.rules.fallback`), whether it has a forward-mode (JVP) rule, and where its
-formula comes from.
+(:mod:`fxad.rules.fallback`), the file that defines its rule, whether it has a forward-mode
+(JVP) rule, and where its formula comes from.
 """
 from __future__ import annotations
 
@@ -19,8 +19,16 @@ def _first_line(text: str) -> str:
     return line.replace("|", "\\|")
 
 
-def rows() -> list[tuple[str, str, str, str]]:
-    """``(op, kind, jvp, source)`` for every registered op, sorted by name."""
+def rule_file(module: str) -> str:
+    """Where a rule registered by ``module`` is defined: ``rules/nn/losses.py`` for
+    ``fxad.rules.nn.losses`` (a path under ``src/fxad``), the module name for a user rule."""
+    if module.startswith("fxad."):
+        return module.removeprefix("fxad.").replace(".", "/") + ".py"
+    return module
+
+
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """``(op, kind, jvp, source, file)`` for every registered op, sorted by name."""
     import fxad
     from fxad.rules.fallback import is_fallback
     from fxad.rules.registry import op_name
@@ -30,7 +38,8 @@ def rows() -> list[tuple[str, str, str, str]]:
         fb = is_fallback(op)
         kind = "fallback (autograd)" if fb else ("built-in" if rule.builtin else "user")
         jvp = "fallback" if fb else ("rule" if rule.jvp is not None else "transposed VJP")
-        out.append((op_name(op), kind, jvp, "" if fb else _first_line(rule.source)))
+        out.append((op_name(op), kind, jvp, "" if fb else _first_line(rule.source),
+                    rule_file(rule.module)))
     return sorted(out, key=lambda r: (r[1] != "built-in", r[0]))
 
 
@@ -50,14 +59,15 @@ def render() -> str:
         "`fxad.MissingRuleError`; register a rule with `fxad.register_vjp`.",
         "",
         "JVP column: `rule` = a hand-written forward-mode rule; `transposed VJP` = forward "
-        "mode transposes the VJP rule automatically.",
+        "mode transposes the VJP rule automatically.  File column: where the rule is "
+        "defined, under `src/fxad/` (`fxad.rules` explains the layout).",
         "",
         "## Hand-written rules",
         "",
-        "| op | JVP | formula / source |",
-        "|---|---|---|",
+        "| op | file | JVP | formula / source |",
+        "|---|---|---|---|",
     ]
-    lines += [f"| `{op}` | {jvp} | {src} |" for op, _, jvp, src in hand]
+    lines += [f"| `{op}` | `{file}` | {jvp} | {src} |" for op, _, jvp, src, file in hand]
     lines += ["", "## Fallback (autograd) only", "", ", ".join(f"`{r[0]}`" for r in fb), ""]
     return "\n".join(lines)
 

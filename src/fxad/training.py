@@ -35,6 +35,22 @@ peak 6.74 instead of 6.80 MiB (autograd: 7.27), in one interleaved run.  In floa
 as one callable, optionally through ``torch.compile``, so that inductor can fuse across the
 forward/backward boundary.
 
+Staged backward (``grad_release=``): with one autograd node every parameter gradient reaches
+autograd (and DDP's or FSDP's hooks) when the whole backward is done.  When gradients should
+leave earlier (several processes: DDP's bucketed all-reduce, FSDP's reduce-scatter), the
+backward graph is cut by :func:`fxad.residuals.split_backward` and run by a chain of autograd
+nodes: ``_StagedBridge`` runs the forward graph and returns a token, each ``_Stage`` passes
+the token on (the first one in the backward, ``_Stage`` 0, returns the model's outputs and
+saves the tensors kept for backward), and each node's backward runs one segment and returns
+the gradients it completed, so that autograd's ``AccumulateGrad`` runs for them before the
+next segment.  With ``fully_shard`` (FSDP2) :class:`fxad.distributed.FSDPDriver` unshards
+before the forward graph, reshards after it, and per segment unshards / reduce-scatters the
+FSDP units involved (``_Plan.before_stage``).  See :mod:`fxad.distributed`.
+
+Activation checkpointing (``checkpoint=``): :func:`fxad.residuals.partition` recomputes the
+inside of ``torch.utils.checkpoint`` regions and of the submodules a
+:class:`fxad.residuals.Checkpoint` selects.
+
 Mixed precision: a capture inside ``torch.autocast`` records autocast's result dtypes in
 ``meta['val']`` (the fake tensors go through the autocast dispatch key) but not its casts,
 and the generated backward would mix dtypes (``convolution_backward`` of a bfloat16
@@ -57,7 +73,9 @@ from torch.utils import _pytree as pytree
 from .api import trace as _trace
 from .api import vjp as _vjp
 from .errors import InputError
-from .residuals import Partition, Policy, joint_graph, op_kind, partition
+from . import distributed as _dist
+from .residuals import (Checkpoint, Partition, Policy, StagedBackward, joint_graph, op_kind,
+                        partition, split_backward)
 from .rules import fused
 from .simplify.calls import cast_methods
 from .simplify.inplace import accumulate_in_place
@@ -234,6 +252,30 @@ class _Plan:
         self.run_fwd = part.fwd_gm.forward
         self.run_bwd = part.bwd_gm.forward
         self.param_refs: list[tuple[torch.nn.Module, str]] = []  # (owner, attribute) per param
+        # parameters without a gradient go to the Functions detached (not as autograd
+        # inputs: DDP's find_unused_parameters must see them unused)
+        self.unused = [i for i, h in enumerate(part.param_has_grad) if not h]
+        # staged backward (split_backward): one autograd node per stage
+        self.staged: StagedBackward | None = None
+        self.stage_fns: list[Callable] = []
+        self.before_stage: Callable[[int], None] | None = None  # FSDP's per-stage work
+        self.token_grads: dict[torch.device, torch.Tensor] = {}
+        self.stage_log: list | None = None  # (stage, time) per backward stage, if a list
+
+    def set_staged(self, staged: StagedBackward | None) -> None:
+        self.staged = staged
+        self.stage_fns = [] if staged is None else [g.forward for g in staged.stages]
+
+    def token_grad(self, device: torch.device) -> torch.Tensor:
+        t = self.token_grads.get(device)
+        if t is None:
+            t = self.token_grads[device] = torch.empty(0, device=device)
+        return t
+
+    def log_stage(self, s: int) -> None:
+        if self.stage_log is not None:
+            import time
+            self.stage_log.append((s, time.perf_counter()))
 
 
 _SAVED = object()  # marks a slot filled from ctx.saved_tensors
@@ -286,6 +328,10 @@ class _Bridge(torch.autograd.Function):
         del it
         args.extend(d for d, f in zip(d_outs, part.float_outputs) if f)
         del d_outs
+        if plan.before_stage is not None:
+            plan.before_stage(0)
+        if plan.stage_log is not None:
+            plan.log_stage(0)
         with _AutocastOff(plan.autocast_devices):
             grads = plan.run_bwd(args)
         n = len(part.input_grads)
@@ -296,19 +342,161 @@ class _Bridge(torch.autograd.Function):
         return (None, *in_g, *grads[n:])
 
 
+class _Run:
+    """State of one staged forward/backward, shared by its autograd nodes (no reference to
+    them, so no cycle)."""
+
+    __slots__ = ("plan", "params", "slots", "to_save", "outs", "carry")
+
+    def __init__(self, plan: _Plan, params: list) -> None:
+        self.plan = plan
+        self.params: list | None = params
+        self.slots: list | None = None
+        self.to_save: list | None = None
+        self.outs: list | None = None
+        self.carry: list | None = None
+
+
+class _StagedBridge(torch.autograd.Function):
+    """Staged backward, first node of the chain: ``forward(run, *inputs, *params)`` runs
+    the forward graph (``params``: those whose gradients the *last* backward stage returns)
+    and returns a token; its backward runs the last stage."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, *args: Any) -> Any:  # type: ignore[override]
+        plan = run.plan
+        part = plan.part
+        n = plan.n_inputs
+        fwd_args = (*args[:n], *run.params) if part.lifted_params else args[:n]
+        run.params = None
+        with _AutocastOff(plan.autocast_devices):
+            res = plan.run_fwd(*fwd_args)
+        outs, saved = list(res[:part.n_outputs]), res[part.n_outputs:]
+        del res
+        pinned = {id(t) for t in fwd_args if isinstance(t, torch.Tensor)}
+        for i, o in enumerate(outs):  # an input returned as is: the last node returns a copy
+            if id(o) in pinned:
+                outs[i] = o.clone()
+        pinned.update(id(t) for t in outs if isinstance(t, torch.Tensor))
+        slots: list[Any] = []
+        to_save = []
+        for x in saved:
+            if isinstance(x, torch.Tensor) and id(x) in pinned:
+                slots.append(_SAVED)
+                to_save.append(x)
+            else:
+                slots.append(x)
+        del saved
+        run.slots, run.to_save, run.outs = slots, to_save, outs
+        ctx.run = run
+        dev = next((t.device for t in outs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        return torch.empty(0, device=dev)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, d_token: Any) -> Any:  # type: ignore[override]
+        run: _Run = ctx.run
+        plan = run.plan
+        part = plan.part
+        s = len(plan.stage_fns) - 1
+        if run.carry is None:
+            raise RuntimeError("fxad: backward through this graph a second time; the saved "
+                               "tensors were freed (use retain_graph with the original model)")
+        if plan.before_stage is not None:
+            plan.before_stage(s)
+        if plan.stage_log is not None:
+            plan.log_stage(s)
+        args, run.carry = run.carry, None
+        with _AutocastOff(plan.autocast_devices):
+            grads = plan.stage_fns[s](args)
+        n = len(part.input_grads)
+        in_g = list(grads[:n])
+        for i, need in enumerate(ctx.needs_input_grad[1:1 + n]):
+            if not need:
+                in_g[i] = None
+        return (None, *in_g, *grads[n:])
+
+
+class _Stage(torch.autograd.Function):
+    """Staged backward, later nodes of the chain: ``forward(run, s, token, *params)``
+    returns a token for ``s > 0`` and the model's outputs for ``s == 0`` (the node the
+    backward starts from, which saves the tensors kept for backward); the backward runs
+    stage ``s`` and returns the gradients of ``params``, so that autograd's
+    ``AccumulateGrad`` (and the hooks of DDP, FSDP) runs for them before stage ``s + 1``."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, s: int, token: Any,  # type: ignore[override]
+                *params: Any) -> Any:
+        ctx.run = run
+        ctx.s = s
+        if s:
+            return torch.empty(0, device=token.device)
+        plan = run.plan
+        ctx.save_for_backward(*run.to_save)
+        run.to_save = None
+        outs, run.outs = run.outs, None
+        if plan.nondiff_outputs:
+            ctx.mark_non_differentiable(*(outs[i] for i in plan.nondiff_outputs))
+        return tuple(outs) if len(outs) != 1 else outs[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        run: _Run = ctx.run
+        plan = run.plan
+        s = ctx.s
+        if s == 0:
+            if run.slots is None:
+                raise RuntimeError("fxad: backward through this graph a second time; the saved "
+                                   "tensors were freed (use retain_graph with the original "
+                                   "model)")
+            it = iter(ctx.saved_tensors)
+            args = [next(it) if x is _SAVED else x for x in run.slots]
+            run.slots = None
+            del it
+            args.extend(d for d, f in zip(grads, plan.part.float_outputs) if f)
+            device = next((d.device for d in grads if isinstance(d, torch.Tensor)),
+                          torch.device("cpu"))
+        else:
+            args, run.carry = run.carry, None
+            device = grads[0].device
+        del grads
+        if plan.before_stage is not None:
+            plan.before_stage(s)
+        if plan.stage_log is not None:
+            plan.log_stage(s)
+        with _AutocastOff(plan.autocast_devices):
+            res = plan.stage_fns[s](args)
+        nc = plan.staged.n_carry[s]  # type: ignore[union-attr]
+        run.carry = list(res[:nc])
+        return (None, None, plan.token_grad(device), *res[nc:])
+
+
 class FxadModule(torch.nn.Module):
     """Module returned by :func:`compile`; see there.  ``self.module`` is the wrapped model
     (its parameters are this module's parameters, so optimizers work unchanged)."""
 
     def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "save",
-                 leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> None:
+                 leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
+                 checkpoint: Checkpoint | bool | None = None,
+                 grad_release: str | int | None = None) -> None:
         super().__init__()
+        if not (grad_release is None or grad_release == "end"
+                or (isinstance(grad_release, int) and not isinstance(grad_release, bool)
+                    and grad_release >= 0)):
+            raise InputError(f"grad_release={grad_release!r}: use None (automatic), 'end' or "
+                             "a number of bytes >= 0")
         self.module = module
         self.policy = policy
         self.leaf_modules = tuple(leaf_modules)
         self.channels_last = channels_last
+        self.checkpoint = checkpoint
+        self.grad_release = grad_release
         self._plans: dict[Any, _Plan] = {}
         self._structure: tuple[list, list, list] | None = None
+        self._fsdp: Any = None  # FSDPDriver, found on the first call
+        self._fsdp_checked = False
+        self.stage_log: list | None = None  # set to a list to record the backward stages
 
     # ------------------------------------------------------------------ capture
     def _modules_and_params(self) -> tuple[list, list]:
@@ -341,8 +529,53 @@ class FxadModule(torch.nn.Module):
         trainable = tuple(q.requires_grad for _, _, q in prefs)
         return tuple(sig), modes, trainable, autocast_state()
 
+    def _driver(self) -> Any:
+        """The FSDP2 driver when the wrapped model uses ``fully_shard`` (found once)."""
+        if not self._fsdp_checked:
+            if torch.distributed.is_available():
+                from torch.distributed.fsdp import FSDPModule
+                if isinstance(self, FSDPModule):
+                    raise InputError(
+                        "fully_shard(fxad.compile(model)) is not supported: FSDP's hooks would "
+                        "run around fxad's bridge, not around the model's modules. Apply "
+                        "fully_shard to the model's blocks and to the model first, then "
+                        "fxad.compile(model)")
+            self._fsdp = _dist.fsdp_driver(self.module)
+            if self._fsdp is not None:
+                self._fsdp.check_params()
+            self._fsdp_checked = True
+        return self._fsdp
+
+    def _stage_units(self, plan: _Plan) -> tuple[list[list[int]] | None, int] | None:
+        """How the backward is staged: ``(units, min_bytes)`` for :func:`split_backward`, or
+        ``None`` for one stage (see ``grad_release`` in :func:`compile`)."""
+        drv = self._fsdp
+        if drv is not None:
+            if self.grad_release == "end":
+                return None
+            self._params(plan)
+            units = _dist._iter_units(drv, plan.param_refs,
+                                      [i for i, h in enumerate(plan.part.param_has_grad) if h])
+            return units, 0
+        if self.grad_release == "end":
+            return None
+        if isinstance(self.grad_release, int):
+            return None, self.grad_release
+        if _dist.multi_process():
+            return None, _dist.DDP_STAGE_BYTES
+        return None
+
     def plan(self, *inputs: Any) -> _Plan:
         """The captured plan for ``inputs`` (capturing it on first use)."""
+        drv = self._driver()
+        if drv is not None and not self._in_step:
+            with drv.unsharded():
+                return self._plan(inputs)
+        return self._plan(inputs)
+
+    _in_step = False
+
+    def _plan(self, inputs: tuple) -> _Plan:
         key = self._signature(inputs)
         p = self._plans.get(key)
         if p is None:
@@ -353,11 +586,23 @@ class FxadModule(torch.nn.Module):
             if layout is None:  # where the cast copies the weight anyway: see the module doc
                 layout = "casts" if _onednn_enabled() else False
             g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout)
-            part = partition(g, self.policy, lift_params=True)
+            part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
             accumulate_in_place(part.bwd_gm)  # run once, never transformed again
             cast_methods(part.fwd_gm)
             cast_methods(part.bwd_gm)
             p = _Plan(part, len(inputs), g)
+            how = self._stage_units(p)
+            if how is not None:
+                p.set_staged(split_backward(part, *how))
+            drv = self._fsdp
+            if drv is not None:
+                self._params(p)
+                if p.staged is not None:
+                    sp = _dist.stage_plan(drv, p.param_refs, p.staged.params, p.staged.reads)
+                else:  # one stage: everything unsharded for it
+                    allp = list(range(len(part.param_names)))
+                    sp = _dist.stage_plan(drv, p.param_refs, [allp], [allp])
+                p.before_stage = lambda s, _d=drv, _sp=sp: _d.before_stage(s, _sp)
             self._plans[key] = p
         return p
 
@@ -393,12 +638,41 @@ class FxadModule(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*inputs)
-        plan = self.plan(*inputs)
+        drv = self._driver()
+        if drv is None:
+            return self._step(inputs)
+        # FSDP2: every unit unsharded for the forward graph (plain tensors), resharded after
+        drv.unshard_for_forward()
+        self._in_step = True
+        try:
+            with drv.capturing():
+                self._plan(inputs)
+            return self._step(inputs)
+        finally:
+            self._in_step = False
+            drv.reshard_after_forward()
+
+    def _step(self, inputs: tuple) -> Any:
+        plan = self._plan(inputs)
         part = plan.part
         params = self._params(plan)
         if not any(p.requires_grad for p in params) and not any(part.input_grads):
             return self.module(*inputs)
-        out = _Bridge.apply(plan, *inputs, *params)
+        plan.stage_log = self.stage_log
+        if plan.staged is not None:
+            st = plan.staged
+            k = len(st.stages)
+            run = _Run(plan, params)
+            token = _StagedBridge.apply(run, *inputs, *(params[i] for i in st.params[k - 1]))
+            for s in range(k - 2, -1, -1):
+                token = _Stage.apply(run, s, token, *(params[i] for i in st.params[s]))
+            out = token
+        else:
+            if plan.unused:
+                params = list(params)
+                for i in plan.unused:
+                    params[i] = params[i].detach()
+            out = _Bridge.apply(plan, *inputs, *params)
         if part.out_spec.is_leaf():  # a single tensor
             return out
         leaves = list(out) if isinstance(out, tuple) else [out]
@@ -407,7 +681,9 @@ class FxadModule(torch.nn.Module):
 
 def compile(model: torch.nn.Module, *example_inputs: Any,
             policy: str | Policy | None = "save",
-            leaf_modules: Iterable[type] = (), channels_last: bool | None = None) -> FxadModule:
+            leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
+            checkpoint: Checkpoint | bool | None = None,
+            grad_release: str | int | None = None) -> FxadModule:
     """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
 
     >>> m = fxad.compile(model)                       # doctest: +SKIP
@@ -442,11 +718,32 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
             the weights that autocast casts, where oneDNN runs the convolutions (see the
             module docstring).  Gradients keep the parameters' layout either way.
 
+        checkpoint: activation checkpointing (:class:`fxad.residuals.Checkpoint`): by default
+            the model's own ``torch.utils.checkpoint`` regions are honoured (their inside is
+            recomputed in the backward, not saved); ``Checkpoint(modules=Block, every=2)``
+            checkpoints every second ``Block``, ``Checkpoint(modules=Block, budget=bytes)``
+            as many leading blocks as the simulated peak needs; ``False`` ignores all
+            regions.
+        grad_release: when the backward hands parameter gradients to autograd (and so to
+            DDP's and FSDP's hooks): ``"end"``: all at once when the backward is done;
+            a number of bytes: in stages of at least that many bytes of gradients
+            (:func:`fxad.residuals.split_backward`; ``0``: each as soon as it is computed);
+            ``None`` (default): ``"end"`` in a single process, stages of
+            :data:`fxad.distributed.DDP_STAGE_BYTES` (DDP's bucket size) when a process
+            group of several ranks is initialized, and one stage per FSDP unit under
+            ``fully_shard``.  See :mod:`fxad.distributed` for DDP and FSDP2.
+
     The split is inspectable: ``m.partition(*inputs)`` gives the
     :class:`fxad.residuals.Partition` (``fwd_gm``, ``bwd_gm``, ``saved_names``,
     ``saved_bytes``, ``report()``).
+
+    Distributed training: ``DDP(fxad.compile(model))``, or ``fully_shard`` on the model's
+    blocks and on the model, then ``fxad.compile(model)`` (:mod:`fxad.distributed`);
+    ``fxad.compile(DDP(model))`` raises :class:`fxad.InputError`.
     """
-    m = FxadModule(model, policy=policy, leaf_modules=leaf_modules, channels_last=channels_last)
+    _dist.check_compile_target(model)
+    m = FxadModule(model, policy=policy, leaf_modules=leaf_modules, channels_last=channels_last,
+                   checkpoint=checkpoint, grad_release=grad_release)
     if example_inputs:
         m.plan(*example_inputs)
     return m
@@ -478,6 +775,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                compile: bool | str = True, argnums: Any = (),
                policy: str | Policy | None = "min_memory",
                leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
+               checkpoint: Checkpoint | bool | None = None,
                **compile_kwargs: Any) -> Callable:
     """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
     param_grads)`` (as :func:`fxad.grad` returns them: ``param_grads`` a dict by parameter
@@ -533,9 +831,20 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     module docstring) and the step runs with autocast disabled.  The uncompiled graph module
     is ``step.graph_module``; ``step.partition`` is the partition it was built from.
 
+    ``checkpoint``: activation checkpointing, as in :func:`compile` (the recomputed values
+    are duplicated after the forward like the policy's).
+
+    Distributed training: the step returns the gradients instead of filling ``.grad``, so
+    it does not compose with DDP or FSDP (a wrapped or sharded model raises
+    :class:`fxad.InputError`); run it on the plain model in every process and average the
+    gradients with :func:`fxad.distributed.all_reduce_grads` (the tests check that this
+    equals DDP), or use ``DDP(fxad.compile(model))``.
+
     Raises:
-        fxad.InputError: the model's output is not one floating-point scalar.
+        fxad.InputError: the model's output is not one floating-point scalar; the model is
+            wrapped in DDP/FSDP or sharded with ``fully_shard``.
     """
+    _dist.check_joint_step_target(model)
     if channels_last is None:
         channels_last = _onednn_enabled()
     v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last)
@@ -545,7 +854,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
         raise InputError("fxad.joint_step needs a model whose output is one floating-point "
                          "scalar (the loss); use fxad.compile or fxad.vjp for other outputs")
-    part = partition(v, policy)
+    part = partition(v, policy, checkpoint=checkpoint)
     g = joint_graph(part, with_params=len(out) > 2)
     backend = (compile if isinstance(compile, str) else "inductor") if compile else None
     if defer_widening_output_casts(g.graph, grouped=backend == "inductor"):

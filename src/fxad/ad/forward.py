@@ -43,6 +43,7 @@ Meta keys written on the JVP graph:
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from ..capture.proxy import Emitter
 from ..errors import RuleError
 from ..rules.registry import Rule, lookup, missing_rule
 from .reverse import (ReverseTransform, _is_structural_getitem, activity, has_float, is_float,
-                      node_desc, rule_key)
+                      node_desc, rule_errors, rule_for, rule_key)
 
 _STRUCT = (tuple, list, dict)
 TANGENT_PREFIX = "dot_"
@@ -154,8 +155,13 @@ class ForwardTransform:
         return None
 
     def _copy(self, node: fx.Node) -> Any:
-        new = self.graph.node_copy(node, lambda x: self.env[x].node
-                                   if isinstance(self.env[x], fx.Proxy) else self.env[x])
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node) \
+                and isinstance(self.env.get(node.args[0]), (tuple, list)):
+            # an item of a rule's Python tuple result (``out, idx = pool(...)``)
+            return self.env[node.args[0]][node.args[1]]
+        new = self.graph.node_copy(node, lambda x: fx.node.map_aggregate(
+            self.env[x], lambda v: v.node if isinstance(v, fx.Proxy) else v))
         new.meta = dict(node.meta)
         return self.em.value(new)
 
@@ -206,8 +212,7 @@ class ForwardTransform:
                 t = _fit(_index(self.tan.get(parent), key), node.meta.get("val"), desc)
             self._set_tangent(node, t)
             return
-        key = rule_key(gm, node)
-        rule = complex_select(key, lookup(key), node)
+        rule = rule_for(gm, node, self.em)
         if rule is None:
             raise missing_rule(desc, node.meta.get("fxad_loc"), module=node.op == "call_module")
         args = self._load(node.args)
@@ -234,10 +239,11 @@ class ForwardTransform:
             return
         last = self.graph._root.prev  # nodes created from here on belong to this rule
         with self.em.meta_defaults(**self._meta(node)):
-            if rule.jvp is not None:
-                result = rule.jvp(primals, tangents)
-            else:
-                result = self._transposed_jvp(rule, node, args, kwargs, sbound)
+            with rule_errors(self.gm, node, "forward-mode (JVP)"):
+                if rule.jvp is not None:
+                    result = rule.jvp(primals, tangents)
+                else:
+                    result = self._transposed_jvp(rule, node, args, kwargs, sbound)
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise RuleError(f"jvp of the rule for {desc} must return (value, tangent)",
                                 op=desc, loc=node.meta.get("fxad_loc"))
@@ -292,7 +298,7 @@ class ForwardTransform:
                 first_tangent.prepend(m)
         vn = value.node
         if vn in new:
-            for k in ("fxad_loc", "stack_trace", "fxad_cot_of"):
+            for k in ("fxad_loc", "stack_trace", "fxad_cot_of", "fxad_inplace"):
                 if k in node.meta:
                     vn.meta.setdefault(k, node.meta[k])
             if vn.name != node.name:

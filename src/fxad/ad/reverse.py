@@ -29,6 +29,7 @@ Meta keys written on the VJP graph:
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 from dataclasses import dataclass
@@ -64,10 +65,46 @@ def rule_key(gm: fx.GraphModule, node: fx.Node) -> Any:
     return None
 
 
+def rule_for(gm: fx.GraphModule, node: fx.Node, em: Emitter) -> Rule | None:
+    """The rule that differentiates ``node``: a custom ``autograd.Function``'s own
+    backward/jvp (:mod:`fxad.ad.custom_function`), else the registered rule (the complex
+    variant for complex values, see :mod:`fxad.rules.complex`), else None."""
+    from .control_flow import control_flow_rule, is_control_flow
+    from .custom_function import custom_function_rule, is_custom_function
+    if is_custom_function(node):
+        return custom_function_rule(node, em)
+    if is_control_flow(node):
+        return control_flow_rule(node)
+    key = rule_key(gm, node)
+    return complex_select(key, lookup(key), node)
+
+
 def node_desc(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_module":
         return f"module {type(gm.get_submodule(node.target)).__name__} (`{node.target}`)"
     return describe_target(node.op, node.target)
+
+
+@contextlib.contextmanager
+def rule_errors(gm: fx.GraphModule, node: fx.Node, phase: str) -> Any:
+    """Run a rule's ``fwd``/``bwd``/``jvp`` so that no exception escapes bare: an fxad error
+    gets the user's line of ``node`` if it has none, anything else becomes a
+    :class:`~fxad.errors.RuleError` naming the op, the phase and the user's line."""
+    desc = node_desc(gm, node)
+    loc = node.meta.get("fxad_loc")
+    try:
+        yield
+    except FxadError as e:
+        if e.loc is not None:
+            raise
+        raise type(e)(e.bare_message, op=e.op or desc, loc=loc, hint=e.hint) from e
+    except Exception as e:  # a bug in a rule, or inputs a rule does not handle
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RuleError(
+            f"the derivative rule for {desc} failed in its {phase}: {type(e).__name__}: {msg}",
+            op=desc, loc=loc,
+            hint=f"register a replacement rule with fxad.register_vjp({desc}, replace=True), "
+                 "or rewrite this line with other ops") from e
 
 
 @dataclass
@@ -109,6 +146,7 @@ def differentiable_params(gm: fx.GraphModule) -> dict[str, fx.Node]:
 def activity(gm: fx.GraphModule, leaves: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """(active, useful) node sets; see module docstring."""
     active: set[fx.Node] = set()
+    once: set[fx.Node] = set()  # computed by a @once_differentiable backward from active values
     for n in gm.graph.nodes:
         if n in leaves:
             active.add(n)
@@ -116,7 +154,11 @@ def activity(gm: fx.GraphModule, leaves: set[fx.Node]) -> tuple[set[fx.Node], se
                 and not n.meta.get("fxad_side_effect") \
                 and has_float(n.meta.get("val")) \
                 and any(a in active for a in n.all_input_nodes):
-            active.add(n)
+            if n.meta.get("fxad_once_differentiable"):
+                once.add(n)
+                active.add(n)
+            elif not n.meta.get("fxad_no_grad"):
+                active.add(n)
     useful: set[fx.Node] = set()
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     stack = [a for a in out.all_input_nodes if a in active]
@@ -124,6 +166,13 @@ def activity(gm: fx.GraphModule, leaves: set[fx.Node]) -> tuple[set[fx.Node], se
         n = stack.pop()
         if n in useful:
             continue
+        if n in once:
+            cls = n.meta["fxad_once_differentiable"]
+            raise RuleError(
+                f"trying to differentiate twice through {cls}.backward, which is decorated "
+                "with @once_differentiable", op=f"{cls}.backward", loc=n.meta.get("fxad_loc"),
+                hint=f"remove @once_differentiable from {cls}.backward if it is written with "
+                     "differentiable torch ops")
         useful.add(n)
         stack.extend(a for a in n.all_input_nodes if a in active)
     return active, useful
@@ -150,8 +199,13 @@ class ReverseTransform:
         return fx.node.map_aggregate(a, lambda x: self.env[x] if isinstance(x, fx.Node) else x)
 
     def _copy(self, node: fx.Node) -> Any:
-        new = self.graph.node_copy(node, lambda x: self.env[x].node
-                                   if isinstance(self.env[x], fx.Proxy) else self.env[x])
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node) \
+                and isinstance(self.env.get(node.args[0]), (tuple, list)):
+            # an item of a rule's Python tuple result (``out, idx = pool(...)``)
+            return self.env[node.args[0]][node.args[1]]
+        new = self.graph.node_copy(node, lambda x: fx.node.map_aggregate(
+            self.env[x], lambda v: v.node if isinstance(v, fx.Proxy) else v))
         new.meta = dict(node.meta)
         return self.em.value(new)
 
@@ -188,8 +242,7 @@ class ReverseTransform:
             self.env[node] = self._copy(node)
             self.tape.append(TapeEntry(node, None, None, None, (node.args[0], node.args[1])))
             return
-        key = rule_key(gm, node)
-        rule = complex_select(key, lookup(key), node)
+        rule = rule_for(gm, node, self.em)
         if rule is None:
             raise missing_rule(node_desc(gm, node), node.meta.get("fxad_loc"),
                                module=node.op == "call_module")
@@ -204,14 +257,8 @@ class ReverseTransform:
             raise RuleError(f"rule for {node_desc(gm, node)} cannot take the call's arguments: {e}",
                             op=node_desc(gm, node), loc=node.meta.get("fxad_loc")) from e
         before = len(self.graph.nodes)
-        try:
-            with self.em.meta_defaults(fxad_fwd_of=node.name):
-                result = rule.fwd(*args, **kwargs)
-        except FxadError as e:
-            if e.loc is not None:
-                raise
-            raise type(e)(e.bare_message, op=e.op or node_desc(gm, node),
-                          loc=node.meta.get("fxad_loc"), hint=e.hint) from e
+        with rule_errors(gm, node, "forward"), self.em.meta_defaults(fxad_fwd_of=node.name):
+            result = rule.fwd(*args, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise RuleError(f"fwd of the rule for {node_desc(gm, node)} must return (value, aux)",
                             op=node_desc(gm, node), loc=node.meta.get("fxad_loc"))
@@ -221,7 +268,7 @@ class ReverseTransform:
             if created and value.node.op != "placeholder" and value.node.name != node.name \
                     and value.node.meta.get("fxad_fwd_of") == node.name:
                 value.node._rename(node.name)
-            for k in ("fxad_loc", "stack_trace"):
+            for k in ("fxad_loc", "stack_trace", "fxad_inplace"):
                 if k in node.meta:
                     value.node.meta.setdefault(k, node.meta[k])
         self.env[node] = value
@@ -261,7 +308,7 @@ class ReverseTransform:
                 if len(cs) < k:
                     ct = torch.reshape(ct, aligned)
                 ct = ct.sum_to_size(reduced)
-            if reduced != ls:
+            if tuple(ct.meta.shape) != ls:  # (also a 0-d cotangent of a 1-element tensor)
                 ct = ct.expand(ls)
         if ct.meta.dtype != like.dtype:
             ct = ct.to(like.dtype)
@@ -285,7 +332,7 @@ class ReverseTransform:
             val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
             if isinstance(leaf, fx.Node) and is_float(val):
                 with inserting():
-                    ph = self.graph.placeholder(f"d_{leaf.name}")
+                    ph = _placeholder(self.graph, f"d_{leaf.name}")
                 ph.meta["val"] = val
                 ph.meta["fxad_cotangent"] = True
                 insert_at = ph
@@ -303,7 +350,7 @@ class ReverseTransform:
                         cts.append(None)
                         continue
                     with inserting():
-                        ph = self.graph.placeholder(f"d_{leaf.name}_{i}")
+                        ph = _placeholder(self.graph, f"d_{leaf.name}_{i}")
                     ph.meta["val"] = part
                     ph.meta["fxad_cotangent"] = True
                     insert_at = ph
@@ -349,7 +396,8 @@ class ReverseTransform:
                   for name, v in src_args.items()}
         token = _NEEDED.set(needed)
         try:
-            cts = rule.bwd(entry.aux, ct)
+            with rule_errors(self.gm, node, "backward"):
+                cts = rule.bwd(entry.aux, ct)
         finally:
             _NEEDED.reset(token)
         names = list(rule.params)
@@ -473,6 +521,14 @@ def _fill_struct(val: Any, ct: Any, tr: ReverseTransform, node: fx.Node) -> Any:
         return torch.zeros_like(leaf)
 
     return fill(val, ct, ())
+
+
+def _placeholder(graph: fx.Graph, name: str) -> fx.Node:
+    """A placeholder whose argument name is its (unique) node name: a value returned twice
+    (``return y, y``) takes two cotangents, which must not share one argument name."""
+    ph = graph.placeholder(name)
+    ph.target = ph.name
+    return ph
 
 
 def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool,

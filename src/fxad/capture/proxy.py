@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, SourceLoc
+from ..naming import describe_target  # noqa: F401  (re-exported: capture's own name for it)
 
 _FAKE_MODE: FakeTensorMode | None = None
 _LOCK = threading.Lock()
@@ -58,7 +59,8 @@ def to_fake(value: Any) -> Any:
             return mode.from_tensor(v, static_shapes=True)
         return v
 
-    return pytree.tree_map(conv, value)
+    with torch._C.DisableTorchFunction():
+        return pytree.tree_map(conv, value)
 
 
 def is_tensor_val(v: Any) -> bool:
@@ -103,34 +105,6 @@ def user_source_loc() -> SourceLoc | None:
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, code)
         frame = frame.f_back
     return None
-
-
-def describe_target(kind: str, target: Any) -> str:
-    """Human-readable name of an FX target: ``torch.sin``, ``Tensor.view``, ``operator.add``."""
-    if kind == "call_method":
-        return f"Tensor.{target}"
-    if kind == "call_module":
-        return f"module {target}"
-    if isinstance(target, str):
-        return target
-    mod = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__name__", None) or repr(target)
-    if mod in ("_operator", "operator"):
-        return f"operator.{name}"
-    if mod.startswith("torch._C._nn"):
-        return f"torch.nn.functional.{name}"
-    if mod.startswith("torch._C._VariableFunctions") or mod == "torch":
-        return f"torch.{name}"
-    if mod.startswith("torch._C._linalg"):
-        return f"torch.linalg.{name.removeprefix('linalg_')}"
-    if mod.startswith("torch._C._special"):
-        return f"torch.special.{name.removeprefix('special_')}"
-    if mod.startswith("torch._C._fft"):
-        return f"torch.fft.{name.removeprefix('fft_')}"
-    if mod.startswith("torch._C"):
-        # methods of torch._C.TensorBase show up as `TensorBase.add`
-        return f"torch.{name.replace('TensorBase', 'Tensor')}"
-    return f"{mod}.{name}" if mod else name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +250,9 @@ def compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
     """
     _STATE.in_meta = getattr(_STATE, "in_meta", 0) + 1
     try:
-        return _compute_meta(graph_owner, kind, target, args, kwargs)
+        # never through a torch-function mode (capture's own) or a subclass override
+        with torch._C.DisableTorchFunction():
+            return _compute_meta(graph_owner, kind, target, args, kwargs)
     finally:
         _STATE.in_meta -= 1
 

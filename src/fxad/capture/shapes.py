@@ -91,6 +91,47 @@ def _unbatched_loss(op: Callable) -> Callable[..., torch.Tensor]:
     return meta
 
 
+def _like(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                   device=v.device)
+    return v
+
+
+def _floating_like(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+        return _like(v)
+    return None
+
+
+def _cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
+    """fxad.ops.cond: the true branch's result (both branches have the same shapes)."""
+    return true_fn(*operands)
+
+
+def _while_loop(cond_fn: Any, body_fn: Any, carried: tuple, additional: tuple = ()) -> tuple:
+    """fxad.ops.while_loop: tensors like the carried inputs."""
+    return tuple(_like(c) for c in carried)
+
+
+def _while_loop_vjp(cond_fn: Any, body_fn: Any, body_vjp: Any, carried: tuple,
+                    additional: tuple, cotangents: tuple) -> tuple:
+    """fxad.ops.while_loop_vjp: one cotangent per carried and additional input."""
+    return tuple(_floating_like(v) for v in tuple(carried) + tuple(additional))
+
+
+def _while_loop_jvp(cond_fn: Any, body_jvp: Any, carried: tuple, tangents: tuple,
+                    additional: tuple, additional_tangents: tuple) -> tuple:
+    """fxad.ops.while_loop_jvp: (carried, tangents)."""
+    return tuple(_like(c) for c in carried), tuple(_floating_like(c) for c in carried)
+
+
+def _control_flow() -> dict[Any, Callable[..., Any]]:
+    from .. import ops
+    return {ops.cond: _cond, ops.while_loop: _while_loop, ops.while_loop_vjp: _while_loop_vjp,
+            ops.while_loop_jvp: _while_loop_jvp}
+
+
 OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
     torch.cov: _cov_like,
     torch.corrcoef: _cov_like,
@@ -101,3 +142,4 @@ OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
     F.multi_margin_loss: _unbatched_loss(F.multi_margin_loss),
     F.multilabel_margin_loss: _unbatched_loss(F.multilabel_margin_loss),
 }
+OUTPUT_META.update(_control_flow())

@@ -95,6 +95,12 @@ class BodyTransformer:
                 block = _block(node)
                 if block is not None and block != prev_block and node.op != "placeholder":
                     out.append(self._header(block, node, stmt_of))
+                elif block is None and node.meta.get("fxad_inplace") is not None:
+                    # the functional form of an in-place statement of the user's
+                    block = ("inplace", node.meta["fxad_inplace"])
+                    if block != prev_block:
+                        loc = node.meta["fxad_inplace"]
+                        out.append(f"# in place: {loc.code}  [{loc.short()}]\n")
                 prev_block = block if node.op != "placeholder" else prev_block
                 if self.annotate is not None and entries:
                     note = self.annotate(node)

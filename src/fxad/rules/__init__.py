@@ -1,19 +1,45 @@
 """Derivative rules.  Importing this package registers all built-in rules.
 
-The rule contract is stated once, in :mod:`fxad.rules.registry`.  Where to find a rule:
+The rule contract is stated once, in :mod:`fxad.rules.registry`; the helpers rules are
+written with (``builtin``, ``unary``, sample makers, shared combinators) are in
+:mod:`fxad.rules._base`.  Rules are grouped by op family, the way PyTorch's namespaces and
+``derivatives.yaml`` group the ops; where to find a rule:
 
-* :mod:`fxad.rules.elementwise` — arithmetic, unary math, activations, ``where``, ``clamp``
-* :mod:`fxad.rules.reductions` — ``sum``, ``mean``, ``var``, ``amax``, ``max``, ...
-* :mod:`fxad.rules.linalg` — ``matmul``, ``mm``, ``bmm``, ``linear``, ``addmm``
-* :mod:`fxad.rules.shape` — views, indexing, ``cat``/``stack``/``split``, casts
-* :mod:`fxad.rules.nn` — softmax, normalization, losses, attention, convolution, pooling
+* :mod:`fxad.rules.arithmetic` — ``+ - * / ** %``, ``div`` modes, ``rsub``, ``fmod``,
+  ``remainder``, ``lerp``, ``addcmul``/``addcdiv``, ``clamp``, ``maximum``/``minimum``,
+  ``fmax``/``fmin``, ``where``, ``nan_to_num``
+* :mod:`fxad.rules.math` — unary and special functions: ``exp``, ``log``, trigonometric and
+  hyperbolic functions, ``sigmoid``, ``erf``, ``lgamma``/``digamma``/``polygamma``, Bessel
+  functions, ``logit``, ``atan2``, ``hypot``, ``logaddexp``, ``xlogy``
+* :mod:`fxad.rules.reductions` — ``sum``, ``mean``, ``var``/``std``, ``amax``, ``max``,
+  ``prod``, ``logsumexp``, ``median``/``mode``/``kthvalue``, ``quantile``, ``cov``,
+  ``segment_reduce``
+* :mod:`fxad.rules.scans` — ``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``,
+  ``trapezoid``, ``diff``, ``gradient``
+* :mod:`fxad.rules.sorting` — ``sort``, ``msort``, ``topk``
+* :mod:`fxad.rules.views` — shape ops, views and their ``*_copy`` forms, ``cat``/``stack``/
+  ``split``, ``as_strided``, casts, ``clone``, ``detach``
+* :mod:`fxad.rules.indexing` — ``x[i]``, ``x[i] = v``, ``gather``, ``scatter*``, ``index_*``,
+  ``index_put``, ``take``, ``masked_fill``/``masked_scatter``, ``*_scatter``
+* :mod:`fxad.rules.linalg` — products, decompositions, solvers, matrix functions, norms
+* :mod:`fxad.rules.fft` — ``torch.fft`` transforms and ``stft``
+* :mod:`fxad.rules.complex_ops` — ``real``/``imag``, ``view_as_real``/``view_as_complex``,
+  ``complex``, ``polar``, ``conj``, ``angle``
+* :mod:`fxad.rules.random` — ``bernoulli``, ``normal`` (drawn as eager draws them)
+* :mod:`fxad.rules.nn` — ``torch.nn.functional``: activations, normalization, convolution,
+  pooling, attention, losses, embedding, dropout, ...
+
+Support modules: :mod:`fxad.rules.fused` (the fused-kernel level switch),
+:mod:`fxad.rules.complex` (which rules are verified for complex tensors) and
+:mod:`fxad.rules.fallback` (the autograd fallback, registered last for ops without a
+hand-written rule).  ``docs/supported_ops.md`` lists the file of every rule.
+
+Rule modules import only torch, the registry, :mod:`fxad.rules._base`, :mod:`fxad.rules.fused`
+and their own package's ``_common`` helpers, never each other
+(``tests/test_layout.py`` checks it).
 """
-from . import elementwise, linalg, nn, reductions, shape  # noqa: F401  (registers the rules)
-from . import extra_math, extra_linalg, extra_shape, extra_nn  # noqa: F401,E402
-from . import extra_reductions, extra_shape2  # noqa: F401,E402
-from . import extra_fft, extra_decomp, extra_pool, extra_index, extra_nn2  # noqa: F401,E402
-from . import extra_strided, extra_segment, extra_grid, extra_householder  # noqa: F401,E402
-from . import conv_grads, complex_ops  # noqa: F401,E402
+from . import arithmetic, math, reductions, scans, sorting, views, indexing  # noqa: F401
+from . import linalg, fft, complex_ops, random, nn  # noqa: F401,E402  (registers the rules)
 from . import fallback  # noqa: F401,E402  (last: only ops without a hand-written rule)
 from .registry import Rule, all_rules, lookup, register_vjp, unregister
 

@@ -1,5 +1,6 @@
-"""Helpers shared by the built-in rule modules: the ``builtin`` decorator, combinators and
-sample-input makers.
+"""Helpers shared by the built-in rule modules: the ``builtin`` decorator, combinators,
+sample-input makers, and the small helpers that several rule families use (defined here once;
+a helper used by one family lives in that family's module or package).
 
 A built-in rule is a class holding ``fwd``, ``bwd`` and optionally ``jvp`` and ``samples``
 as plain functions (see :mod:`fxad.rules.registry` for the contract).  Its docstring names
@@ -8,10 +9,14 @@ the formula's source.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
 
+from ..errors import RuleError
 from .registry import add_rule
 
 
@@ -73,8 +78,6 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
 
 def value_of(x: Any) -> Any:
     """The value behind ``x``: a proxy's ``meta['val']`` (a fake tensor), else ``x`` itself."""
-    import torch.fx as fx
-
     return x.node.meta.get("val") if isinstance(x, fx.Proxy) else x
 
 
@@ -123,3 +126,132 @@ def restore_reduced(d: Any, dims: tuple[int, ...], keepdim: bool) -> Any:
     for k in dims:
         d = torch.unsqueeze(d, k)
     return d
+
+
+# --- helpers shared by several rule families ------------------------------------------------
+# (helpers used by one family live in that family's module, or in its package's _common.py)
+
+
+# type tests and sample makers
+
+def _is_t(x: Any) -> bool:
+    """Whether ``x`` is a tensor or a proxy standing for one (not a Python number)."""
+    return isinstance(x, torch.Tensor) or hasattr(x, "node")
+
+
+def _t(shape: tuple, dtype: torch.dtype, lo: float = -2.0, hi: float = 2.0) -> torch.Tensor:
+    """Sample tensor of ``shape`` with entries uniform in ``[lo, hi)``."""
+    return uniform(shape, lo, hi, dtype)
+
+
+def _binary_samples(dtype: torch.dtype, lo: float = -2.0, hi: float = 2.0):
+    """Samples of a broadcasting binary op: ``(3, 4)`` with ``(4,)``, and two ``(2, 3)``."""
+    yield (_t((3, 4), dtype, lo, hi), _t((4,), dtype, lo, hi)), {}
+    yield (_t((2, 3), dtype, lo, hi), _t((2, 3), dtype, lo, hi)), {}
+
+
+def _spd(n: int, dtype: torch.dtype, *batch: int) -> torch.Tensor:
+    """A sample symmetric positive-definite ``(*batch, n, n)`` matrix."""
+    a = randn(*batch, n, n, dtype=dtype)
+    return a @ a.mT + n * torch.eye(n, dtype=dtype)
+
+
+# tangents and cotangents with None for zero
+
+def _add(a: Any, b: Any) -> Any:
+    """``a + b`` where ``None`` stands for zero (a missing cotangent or tangent)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _select(cond: Any, a: Any, b: Any) -> Any:
+    """``where(cond, a, b)`` for tangents, ``None`` meaning zero."""
+    if a is None and b is None:
+        return None
+    return torch.where(cond, 0.0 if a is None else a, 0.0 if b is None else b)
+
+
+def _tie_select(a: Any, b: Any, out: Any, ta: Any, tb: Any) -> Any:
+    """Tangent of a binary max/min: the selected operand's tangent, the mean on ties (the
+    transpose of the backward's even split)."""
+    return torch.where(a == b, _add(ta, tb) * 0.5, _select(a == out, ta, tb))
+
+
+def _value_d(d: Any) -> Any:
+    """The value's cotangent of an op returning ``(value, indices)`` (or the value)."""
+    return d[0] if isinstance(d, (tuple, list)) else d
+
+
+def _index_back(x: Any, dim: int, idx: Any, d: Any, keepdim: bool = True) -> Any:
+    """zeros like x with d scatter-added at idx along dim (idx/d reduced if not keepdim)."""
+    if x.dim() == 0:
+        return d
+    if not keepdim:
+        idx, d = torch.unsqueeze(idx, dim), torch.unsqueeze(d, dim)
+    return torch.zeros_like(x).scatter_add(dim, idx, d)
+
+
+# graph code and errors
+
+def _emit(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` as *one* graph node when an argument is a proxy (so a public composite such
+    as ``torch.nn.grad.conv2d_input`` appears in the generated code as written, instead of
+    being traced into its internals); call it directly on real tensors."""
+    fn = getattr(fn, "__wrapped__", fn)  # capture's recording wrapper -> the function itself
+    for a in pytree.tree_leaves((args, kwargs)):
+        if isinstance(a, fx.Proxy):
+            return a.tracer.create_proxy("call_function", fn, args, kwargs)
+    return fn(*args, **kwargs)
+
+
+def _meta(x: Any) -> Any:
+    """The (fake or real) tensor behind ``x`` for reading its layout."""
+    m = getattr(x, "meta", None)
+    return m if isinstance(m, torch.Tensor) else x
+
+
+def _error(op: str, message: str, hint: str) -> RuleError:
+    """A :class:`~fxad.errors.RuleError` for ``op`` with a hint on what to change."""
+    return RuleError(f"{op}: {message}", op=op, hint=hint)
+
+
+# formulas shared by several families
+
+_LN2, _LN10 = math.log(2.0), math.log(10.0)
+
+
+def pnorm_grad(x: Any, norm: Any, p: float, d: Any, dim: Any = None) -> Any:
+    """Cotangent of ``vector_norm(x, p)`` given ``norm`` and ``d`` (both with the reduced dims
+    kept as size 1): derivatives.yaml ``linalg_vector_norm`` (norm_backward)."""
+    p = float(p)
+    if p == 0.0:
+        return torch.zeros_like(x) * d
+    if p == 1.0:
+        return torch.sgn(x) * d
+    # a zero norm divides by inf instead of being masked after the division: the same values,
+    # and a cotangent that stays linear in ``d`` without a 0/0 (forward mode transposes this)
+    if p == 2.0:
+        return x * (d / torch.where(norm == 0, math.inf, norm))
+    if math.isinf(p):
+        mask = (torch.abs(x) == norm).to(x.dtype)
+        cnt = torch.sum(mask) if dim is None else torch.sum(mask, dim, keepdim=True)
+        return torch.sgn(x) * mask * (d / cnt)
+    if p < 1.0:
+        ax = torch.abs(x)
+        scaled = torch.sgn(x) * torch.where(x == 0, 0.0, torch.pow(ax, p - 1))
+        return scaled * d * torch.pow(norm, 1 - p)
+    if p < 2.0:
+        scaled = torch.sgn(x) * torch.pow(torch.abs(x), p - 1)
+    else:
+        scaled = x * torch.pow(torch.abs(x), p - 2)
+    return scaled * (d / torch.pow(torch.where(norm == 0, math.inf, norm), p - 1))
+
+
+def _excl_cumprod(x: Any, dim: int) -> Any:
+    """prod_{j < k} x_j along ``dim`` (1 at k = 0), without division."""
+    n = x.shape[dim]
+    ones = torch.ones_like(torch.narrow(x, dim, 0, 1))
+    return torch.cat([ones, torch.cumprod(torch.narrow(x, dim, 0, n - 1), dim)], dim)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -76,6 +77,8 @@ class Rule:
         builtin: True for rules shipped with fxad.
         residuals: declared residual kind (see the module docstring), or None.
         recompute: declared recomputability (see the module docstring), or None.
+        module: the module that registered the rule (``fxad.rules.nn.losses`` for a built-in
+            rule; ``docs/supported_ops.md`` lists it as the rule's file).
     """
 
     op: Any
@@ -88,6 +91,7 @@ class Rule:
     builtin: bool = False
     residuals: str | None = None
     recompute: bool | None = None
+    module: str = ""
 
     @property
     def signature(self) -> inspect.Signature:
@@ -114,7 +118,7 @@ def op_name(op: Any) -> str:
     """Printable name of a registry key."""
     if isinstance(op, type):
         return f"{op.__module__}.{op.__qualname__}"
-    from ..capture.proxy import describe_target
+    from ..naming import describe_target
 
     return describe_target("call_function", op)
 
@@ -168,9 +172,26 @@ def add_rule(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
             "override it deliberately")
     params = _validate(op, fwd, bwd)
     rule = Rule(op=op, fwd=fwd, bwd=bwd, jvp=jvp, samples=samples, source=source,
-                params=params, builtin=builtin, residuals=residuals, recompute=recompute)
+                params=params, builtin=builtin, residuals=residuals, recompute=recompute,
+                module=_registering_module())
     _RULES[op] = rule
     return rule
+
+
+# modules whose functions register rules on behalf of the module calling them
+_HELPER_MODULES = ("fxad.rules.registry", "fxad.rules._base")
+
+
+def _registering_module() -> str:
+    """The module on whose behalf a rule is being registered: the innermost caller outside the
+    registry and the shared helper modules (``_base``, a family's ``_common``)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name not in _HELPER_MODULES and not name.endswith("._common"):
+            return name
+        f = f.f_back
+    return ""
 
 
 def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = None, *,

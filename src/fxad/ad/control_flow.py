@@ -1,0 +1,186 @@
+"""Derivatives of captured control flow (:mod:`fxad.capture.control`).
+
+``cond``
+    Reverse mode: fxad generates the VJP of each branch graph (its own readable module, kept
+    beside the branch) and the backward selects one with the same predicate:
+    ``fxad_cond(pred, true_branch_vjp, false_branch_vjp, (*operands, d_out))[1]``; the
+    branch's forward is recomputed inside its VJP (no branch activations are saved).
+    Forward mode does the same with each branch's generated JVP.
+``while_loop``
+    Reverse mode recomputes: :func:`fxad.ops.while_loop_vjp` runs the loop forward again from
+    the saved initial state, keeping every iteration's carried tensors (memory: one copy of
+    the carried tensors per iteration, held only while the backward runs), then runs the
+    body's generated VJP over them in reverse.  Forward mode carries the tangents through
+    the loop with the body's generated JVP (:func:`fxad.ops.while_loop_jvp`).
+
+Each generated branch/body derivative is an ordinary fxad module: ``print(m.code)`` shows it,
+and it can be differentiated again (second order through ``cond``).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import ops
+from ..capture.proxy import fetch_attr, to_fake
+from ..rules.registry import Rule
+
+_CACHE_KEY = "_fxad_control_derivatives"
+
+
+def is_control_flow(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (ops.cond, ops.while_loop)
+
+
+def _module(p: Any) -> fx.GraphModule:
+    node = p.node if isinstance(p, fx.Proxy) else p
+    em = p.tracer if isinstance(p, fx.Proxy) else None
+    return fetch_attr(em.root, node.target)
+
+
+def _examples(values: tuple) -> tuple:
+    return tuple(v.node.meta.get("val") if isinstance(v, fx.Proxy) else to_fake(v)
+                 for v in values)
+
+
+def _attach(em: Any, gm: fx.GraphModule, stem: str) -> Any:
+    root = em.root
+    k = 0
+    while hasattr(root, f"_fxad_{stem}_{k}"):
+        k += 1
+    name = f"_fxad_{stem}_{k}"
+    object.__setattr__(root, name, gm)
+    return em.create_proxy("get_attr", name, (), {})
+
+
+def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -> fx.GraphModule:
+    """The VJP (``kind="vjp"``) or JVP of a captured subgraph, built once per subgraph."""
+    from ..api import vjp as fxad_vjp
+    from ..higher import jvp as fxad_jvp
+    # kept on the module object itself (a module's ``meta`` is copied into the modules built
+    # from it, so it cannot hold a per-module cache)
+    cache = gm.__dict__.setdefault(_CACHE_KEY, {})
+    key = (kind,) + tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+                          for v in examples)
+    if key not in cache:
+        cache[key] = (fxad_vjp if kind == "vjp" else fxad_jvp)(gm, *examples)
+    return cache[key]
+
+
+def _floating(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def cond_rule(node: fx.Node) -> Rule:
+    def fwd(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> tuple[Any, Any]:
+        em = true_fn.tracer
+        value = em.create_proxy("call_function", ops.cond, (pred, true_fn, false_fn, operands),
+                                {})
+        return value, (pred, true_fn, false_fn, operands)
+
+    def bwd(aux: Any, d_out: Any) -> tuple:
+        pred, true_fn, false_fn, operands = aux
+        em = true_fn.tracer
+        ex = _examples(operands)
+        t_vjp = _derivative("vjp", _module(true_fn), ex, em)
+        f_vjp = _derivative("vjp", _module(false_fn), ex, em)
+        out_val = node.meta["val"]
+        if isinstance(out_val, torch.Tensor):
+            cot = d_out
+        else:
+            cot = tuple(d if d is not None or not _floating(v) else
+                        torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                        for d, v in zip(d_out, out_val))
+        tv = _attach(em, t_vjp, "true_branch_vjp")
+        fv = _attach(em, f_vjp, "false_branch_vjp")
+        res = em.create_proxy("call_function", ops.cond,
+                              (pred, tv, fv, tuple(operands) + (cot,)), {})
+        grads = em.create_proxy("call_function", operator.getitem, (res, 1), {})
+        out = []
+        for k, (o, v) in enumerate(zip(operands, ex)):
+            out.append(em.create_proxy("call_function", operator.getitem, (grads, k), {})
+                       if isinstance(o, fx.Proxy) and _floating(v) else None)
+        return (None, None, None, out)
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        pred, true_fn, false_fn, operands = primals
+        em = true_fn.tracer
+        ex = _examples(operands)
+        t_jvp = _derivative("jvp", _module(true_fn), ex, em)
+        f_jvp = _derivative("jvp", _module(false_fn), ex, em)
+        tans = list(tangents[3] or [None] * len(operands))
+        tans = [t if t is not None or not _floating(v) else
+                torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                for t, v in zip(tans, ex)]
+        tj = _attach(em, t_jvp, "true_branch_jvp")
+        fj = _attach(em, f_jvp, "false_branch_jvp")
+        res = em.create_proxy("call_function", ops.cond,
+                              (pred, tj, fj, tuple(operands) + tuple(tans)), {})
+        value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
+        tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
+        return value, tangent
+
+    return Rule(op=ops.cond, fwd=fwd, bwd=bwd, jvp=jvp,
+                source="torch.cond: the derivative of the branch the predicate selects "
+                       "(each branch differentiated by fxad)",
+                params=("pred", "true_fn", "false_fn", "operands"), residuals="inputs")
+
+
+def while_loop_rule(node: fx.Node) -> Rule:
+    def fwd(cond_fn: Any, body_fn: Any, carried: tuple, additional: tuple = ()
+            ) -> tuple[Any, Any]:
+        em = body_fn.tracer
+        value = em.create_proxy("call_function", ops.while_loop,
+                                (cond_fn, body_fn, carried, additional), {})
+        return value, (cond_fn, body_fn, carried, additional)
+
+    def bwd(aux: Any, d_out: Any) -> tuple:
+        cond_fn, body_fn, carried, additional = aux
+        em = body_fn.tracer
+        ex = _examples(tuple(carried) + tuple(additional))
+        b_vjp = _derivative("vjp", _module(body_fn), ex, em)
+        bv = _attach(em, b_vjp, "loop_body_vjp")
+        cots = tuple(d_out) if d_out is not None else (None,) * len(carried)
+        cots = tuple(c if c is not None or not _floating(v) else
+                     torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                     for c, v in zip(cots, ex[:len(carried)]))
+        res = em.create_proxy("call_function", ops.while_loop_vjp,
+                              (cond_fn, body_fn, bv, tuple(carried), tuple(additional), cots), {})
+        grads = [em.create_proxy("call_function", operator.getitem, (res, k), {})
+                 if isinstance(x, fx.Proxy) and _floating(v) else None
+                 for k, (x, v) in enumerate(zip(tuple(carried) + tuple(additional), ex))]
+        n = len(carried)
+        return (None, None, grads[:n], grads[n:])
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        cond_fn, body_fn, carried, additional = primals
+        em = body_fn.tracer
+        ex = _examples(tuple(carried) + tuple(additional))
+        b_jvp = _derivative("jvp", _module(body_fn), ex, em)
+        bj = _attach(em, b_jvp, "loop_body_jvp")
+
+        def zeros_for(ts: Any, vals: tuple) -> tuple:
+            ts = list(ts or [None] * len(vals))
+            return tuple(t if t is not None or not _floating(v) else
+                         torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                         for t, v in zip(ts, vals))
+
+        n = len(carried)
+        res = em.create_proxy("call_function", ops.while_loop_jvp,
+                              (cond_fn, bj, tuple(carried), zeros_for(tangents[2], ex[:n]),
+                               tuple(additional), zeros_for(tangents[3], ex[n:])), {})
+        value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
+        tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
+        return value, tangent
+
+    return Rule(op=ops.while_loop, fwd=fwd, bwd=bwd, jvp=jvp,
+                source="torch.while_loop: reverse mode recomputes the loop and runs the "
+                       "body's VJP over the states in reverse; forward mode carries tangents",
+                params=("cond_fn", "body_fn", "carried", "additional"), residuals="inputs")
+
+
+def control_flow_rule(node: fx.Node) -> Rule:
+    return cond_rule(node) if node.target is ops.cond else while_loop_rule(node)

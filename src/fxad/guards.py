@@ -1,0 +1,179 @@
+"""Guards: what a generated module specialized on, checked on every call.
+
+fxad traces a program once, on example inputs, and the generated code is specialized on
+what the trace saw: every tensor input's shape, dtype and device, every Python value passed
+as an argument (a flag, a size, a string), and, through them, the branch a Python ``if``
+took and the length of a Python loop over ``x.shape[0]``.  Called with inputs that differ,
+the code would compute something else without a word, so every module fxad returns records
+an :class:`InputSpec` and checks it before running (:meth:`InputSpec.check`, a few attribute
+comparisons per argument), raising :class:`fxad.InputError` that names the argument, the
+traced and the given value, and how to rebuild.
+
+Dimensions made generic with ``dynamic=`` (:mod:`fxad.dynamic`) are left out of the shape
+check; the guard then checks what stayed specialized, that dimensions sharing a size
+symbol still agree (``x.shape[0] == y.shape[0]``), and that the size is one the generic code
+was verified for (at least the smallest size probed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import InputError
+
+__all__ = ["InputSpec", "spec_of"]
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    shape: tuple          # sizes; None where the dimension is dynamic
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class InputSpec:
+    """The arguments a generated module was built for.
+
+    Attributes:
+        names: argument names, in call order.
+        trees: per argument, its pytree structure.
+        leaves: per argument, per leaf: a :class:`_TensorSlot` for a tensor, ``("value", v)``
+            for a Python value the trace specialized on, or ``None`` for an argument that is
+            not checked (cotangents of non-floating outputs take ``None``).
+        symbols: dynamic size symbols: name -> list of ``(argument, leaf, dim)`` sharing it.
+        min_size: per symbol, the smallest size the generic code is verified for.
+        rebuild: how to rebuild, for the error message (``fxad.grad(f, *inputs)``).
+    """
+
+    names: list[str]
+    trees: list[Any]
+    leaves: list[list[Any]]
+    symbols: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    min_size: dict[str, int] = field(default_factory=dict)
+    rebuild: str = "rebuild it with the new inputs"
+    # decisions the program made on dynamic sizes: (fn(*sizes) -> bool, [(argument, dim)],
+    # text), see fxad.dynamic
+    predicates: list[tuple[Any, list[tuple[int, int]], str]] = field(default_factory=list)
+
+    def check(self, args: Sequence[Any]) -> None:
+        """Raise :class:`fxad.InputError` unless ``args`` match what was traced."""
+        if len(args) != len(self.names):
+            raise InputError(f"this module takes {len(self.names)} argument(s) "
+                             f"({', '.join(self.names)}), got {len(args)}")
+        for i, (a, tree, slots) in enumerate(zip(args, self.trees, self.leaves)):
+            if len(slots) == 1 and tree is None:  # a plain argument: no pytree work
+                self._check_leaf(i, -1, a, slots[0])
+                continue
+            leaves, spec = pytree.tree_flatten(a)
+            if spec != tree:
+                raise InputError(
+                    f"argument `{self.names[i]}` does not have the structure it was traced "
+                    f"with ({tree} expected, got {spec}); {self.rebuild}")
+            for j, (v, slot) in enumerate(zip(leaves, slots)):
+                self._check_leaf(i, j, v, slot)
+        if self.symbols:
+            self._check_symbols(args)
+        for fn, dims, text in self.predicates:
+            sizes = [args[i].shape[d] for i, d in dims]
+            if not fn(*sizes):
+                raise InputError(
+                    f"the program decided on its input sizes while traced ({text} held for "
+                    f"the example sizes), and it does not hold for sizes {sizes} of "
+                    f"{', '.join(f'{self.names[i]}.shape[{d}]' for i, d in dims)}; "
+                    f"{self.rebuild}")
+
+    def _where(self, i: int, j: int) -> str:
+        name = f"`{self.names[i]}`"
+        return name if j < 0 else f"{name} (leaf {j})"
+
+    def _check_leaf(self, i: int, j: int, v: Any, slot: Any) -> None:
+        if slot is None:
+            return
+        if isinstance(slot, _TensorSlot):
+            if not isinstance(v, torch.Tensor):
+                if v is None:
+                    return  # a zero cotangent / tangent, where the module allows it
+                raise InputError(f"argument {self._where(i, j)} must be a tensor (it was "
+                                 f"traced with one), got {type(v).__name__}")
+            shape = v.shape
+            if len(shape) != len(slot.shape) or any(
+                    s is not None and s != g for s, g in zip(slot.shape, shape)):
+                want = "(" + ", ".join("*" if s is None else str(s) for s in slot.shape) + \
+                    ("," if len(slot.shape) == 1 else "") + ")"
+                raise InputError(
+                    f"argument {self._where(i, j)} has shape {tuple(shape)}, but this module "
+                    f"was traced for shape {want} (fxad specializes on input shapes); "
+                    f"{self.rebuild}, or pass dynamic= for the dimensions that vary")
+            if v.dtype != slot.dtype:
+                raise InputError(f"argument {self._where(i, j)} has dtype {v.dtype}, but this "
+                                 f"module was traced for {slot.dtype}; {self.rebuild}")
+            if v.device != slot.device:
+                raise InputError(f"argument {self._where(i, j)} is on {v.device}, but this "
+                                 f"module was traced for {slot.device}; {self.rebuild}")
+            return
+        _, want = slot
+        if isinstance(v, torch.Tensor) or type(v) is not type(want) or v != want:
+            raise InputError(
+                f"argument {self._where(i, j)} is {v!r}, but this module was traced with "
+                f"{want!r}: fxad specializes on Python values (the branches and loops "
+                f"that depend on them are fixed in the code); {self.rebuild}")
+
+    def _check_symbols(self, args: Sequence[Any]) -> None:
+        flat = [pytree.tree_leaves(a) if self.trees[i] is not None else [a]
+                for i, a in enumerate(args)]
+        for sym, members in self.symbols.items():
+            sizes = [(m, flat[m[0]][max(m[1], 0)].shape[m[2]]) for m in members]
+            first = sizes[0][1]
+            for (i, j, d), s in sizes[1:]:
+                if s != first:
+                    (i0, j0, d0) = sizes[0][0]
+                    raise InputError(
+                        f"dimension {d} of argument {self._where(i, j)} is {s}, but dimension "
+                        f"{d0} of {self._where(i0, j0)} is {first}: both are the dynamic size "
+                        f"{sym} and must agree")
+            low = self.min_size.get(sym, 0)
+            if first < low:
+                raise InputError(
+                    f"the dynamic size {sym} is {first}, but the generic code was verified for "
+                    f"sizes >= {low} only (size-1 dimensions broadcast differently); "
+                    f"{self.rebuild}")
+
+
+def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
+            unchecked: Sequence[int] = (), dynamic: dict[tuple[int, int, int], str] | None = None,
+            min_size: dict[str, int] | None = None) -> InputSpec:
+    """The :class:`InputSpec` of ``examples`` (one per argument in ``names``).
+
+    Args:
+        unchecked: positions whose leaves are not value-checked (Python values fxad does not
+            specialize on, such as ``None`` slots of a cotangent).
+        dynamic: ``(argument, leaf, dim) -> symbol`` for generic dimensions.
+    """
+    dynamic = dynamic or {}
+    trees, leaves = [], []
+    symbols: dict[str, list[tuple[int, int, int]]] = {}
+    for i, ex in enumerate(examples):
+        plain = not isinstance(ex, (tuple, list, dict))
+        flat = [ex] if plain else pytree.tree_flatten(ex)[0]
+        trees.append(None if plain else pytree.tree_flatten(ex)[1])
+        slots = []
+        for j, v in enumerate(flat):
+            jj = -1 if plain else j
+            if isinstance(v, torch.Tensor):
+                shape = []
+                for d, s in enumerate(v.shape):
+                    sym = dynamic.get((i, jj, d))
+                    if sym is not None:
+                        symbols.setdefault(sym, []).append((i, jj, d))
+                    shape.append(None if sym is not None else int(s))
+                slots.append(_TensorSlot(tuple(shape), v.dtype, v.device))
+            elif i in unchecked or v is None:
+                slots.append(None)
+            else:
+                slots.append(("value", v))
+        leaves.append(slots)
+    return InputSpec(list(names), trees, leaves, symbols, dict(min_size or {}), rebuild)

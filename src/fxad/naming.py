@@ -1,0 +1,35 @@
+"""Printable names of the callables fxad records (shared by capture, the rule registry and
+the engines' error messages)."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["describe_target"]
+
+
+def describe_target(kind: str, target: Any) -> str:
+    """Human-readable name of an FX target: ``torch.sin``, ``Tensor.view``, ``operator.add``."""
+    if kind == "call_method":
+        return f"Tensor.{target}"
+    if kind == "call_module":
+        return f"module {target}"
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None) or repr(target)
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith("torch._C._nn"):
+        return f"torch.nn.functional.{name}"
+    if mod.startswith("torch._C._VariableFunctions") or mod == "torch":
+        return f"torch.{name}"
+    if mod.startswith("torch._C._linalg"):
+        return f"torch.linalg.{name.removeprefix('linalg_')}"
+    if mod.startswith("torch._C._special"):
+        return f"torch.special.{name.removeprefix('special_')}"
+    if mod.startswith("torch._C._fft"):
+        return f"torch.fft.{name.removeprefix('fft_')}"
+    if mod.startswith("torch._C"):
+        # methods of torch._C.TensorBase show up as `TensorBase.add`
+        return f"torch.{name.replace('TensorBase', 'Tensor')}"
+    return f"{mod}.{name}" if mod else name

@@ -1,0 +1,188 @@
+"""Rule for ``F.scaled_dot_product_attention`` (masks, causal, ``scale``, grouped-query
+``enable_gqa``, dropout with a mask saved for the backward).
+
+The forward calls the op itself for the value; the backward recomputes the attention
+weights in plain tensor code (the formulas are in the rule's docstring), or calls PyTorch's
+fused CPU flash-attention backward where :mod:`fxad.rules.fused` allows it
+(``docs/fused_kernels.md``).  Configurations the rule cannot differentiate exactly
+raise :class:`~fxad.errors.RuleError` naming what to change.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import fused
+from .._base import builtin, randn, _add
+from ._common import _bound
+
+
+# --- attention ------------------------------------------------------------------------------
+
+
+def _sdpa_scores(q: Any, k: Any, attn_mask: Any, is_causal: bool, scale: float) -> Any:
+    """softmax(q k^T * scale + mask): the attention probabilities, recomputed."""
+    s = (q @ k.mT) * scale
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        above = q.new_ones((L, S), dtype=torch.bool).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            s = s + attn_mask
+    return torch.softmax(s, -1)
+
+
+def _sdpa_check(q: Any, k: Any, enable_gqa: bool) -> int:
+    """Number of query heads per key head (1 without grouped-query attention)."""
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        return q.shape[-3] // k.shape[-3]
+    return 1
+
+
+def _sdpa_dropout_fwd(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool,
+                      scale: Any, group: int) -> tuple[Any, Any, Any]:
+    """Attention with dropout on the probabilities, written out: ``(P * M) v`` with the
+    dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` drawn in the generated forward.
+    Returns ``(out, P, M)``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if group > 1:
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    p = _sdpa_scores(q, k, mask, is_causal, scale)
+    keep = (torch.rand_like(p) >= dropout_p).to(p.dtype) / (1.0 - dropout_p)
+    return (p * keep) @ v, p, keep
+
+
+def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
+    """The CPU flash-attention kernels apply: 4-D CPU float inputs of equal heads, no mask."""
+    return (mask is None and not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and all(t.device.type == "cpu" for t in (q, k, v))
+            and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and q.dtype == k.dtype == v.dtype and k.shape[-3] == q.shape[-3]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+@builtin(F.scaled_dot_product_attention)
+class ScaledDotProductAttention:
+    """y = P v with P = softmax(q k^T * scale + mask) (causal: upper triangle masked to -inf;
+    bool mask: False masked to -inf; float mask added).  Backward recomputes P:
+    d_v = P^T d; dP = d v^T; dS = P * (dP - sum(dP * P, -1)); d_q = dS k * scale;
+    d_k = dS^T q * scale; a float mask gets dS (derivatives.yaml
+    `_scaled_dot_product_flash_attention` / math reference `_scaled_dot_product_attention_math`).
+    ``enable_gqa``: k and v heads are repeated (repeat_interleave) and their cotangents summed
+    over each group.
+
+    ``dropout_p > 0``: the probabilities are computed in the generated forward and multiplied
+    by a dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` saved for the backward, y = (P*M) v
+    (as PyTorch's math reference does; the mask differs from the fused kernel's for the same
+    seed, with the same distribution): d_v = (P*M)^T d, dP = (d v^T) * M, then as above."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        group = _sdpa_check(query, key, enable_gqa)
+        if dropout_p > 0.0:
+            out, p, keep = _sdpa_dropout_fwd(query, key, value, attn_mask, dropout_p, is_causal,
+                                             scale, group)
+            return out, ("dropout", query, key, value, attn_mask, p, keep, scale, group)
+        kw: dict[str, Any] = {}
+        if attn_mask is not None:
+            kw["attn_mask"] = attn_mask
+        if is_causal:
+            kw["is_causal"] = True
+        if scale is not None:
+            kw["scale"] = scale
+        if enable_gqa:
+            kw["enable_gqa"] = True
+        if fused.enabled() and _cpu_flash_ok(query, key, value, attn_mask, enable_gqa):
+            # CPU flash attention: save its logsumexp for the fused backward kernel
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, bool(is_causal), scale=scale)
+            return out, ("fused", query, key, value, out, lse, bool(is_causal), scale)
+        out = F.scaled_dot_product_attention(query, key, value, **kw)
+        return out, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def bwd(aux, d):
+        if isinstance(aux[0], str) and aux[0] == "fused":  # docs/fused_kernels.md
+            _, q, k, v, out, lse, is_causal, scale = aux
+            d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+            return d_q, d_k, d_v, None
+        if isinstance(aux[0], str):  # "dropout"
+            _, q, k, v, mask, p, keep, scale, group = aux
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if group > 1:
+                k = k.repeat_interleave(group, -3)
+                v = v.repeat_interleave(group, -3)
+            d_v = (p * keep).mT @ d
+            dp = (d @ v.mT) * keep
+        else:
+            q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
+            group = _sdpa_check(q, k, enable_gqa)
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            if group > 1:
+                k = k.repeat_interleave(group, -3)
+                v = v.repeat_interleave(group, -3)
+            p = _sdpa_scores(q, k, mask, is_causal, scale)
+            d_v = p.mT @ d
+            dp = d @ v.mT
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        d_q = (ds @ k) * scale
+        d_k = (ds.mT @ q) * scale
+        if group > 1:
+            d_k = d_k.unflatten(-3, (d_k.shape[-3] // group, group)).sum(-3)
+            d_v = d_v.unflatten(-3, (d_v.shape[-3] // group, group)).sum(-3)
+        d_mask = ds if mask is not None and mask.dtype != torch.bool else None
+        return d_q, d_k, d_v, d_mask
+
+    def jvp(primals, tangents):
+        pr, t = _bound(ScaledDotProductAttention.fwd, primals, tangents)
+        q, k, v, mask = pr["query"], pr["key"], pr["value"], pr["attn_mask"]
+        group = _sdpa_check(q, k, pr["enable_gqa"])
+        keep = None
+        if pr["dropout_p"] > 0.0:
+            out, _, keep = _sdpa_dropout_fwd(q, k, v, mask, pr["dropout_p"], pr["is_causal"],
+                                             pr["scale"], group)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, pr["is_causal"],
+                                                 scale=pr["scale"], enable_gqa=pr["enable_gqa"])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if pr["scale"] is None else pr["scale"]
+        tk, tv = t["key"], t["value"]
+        if group > 1:
+            k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+            tk = None if tk is None else tk.repeat_interleave(group, -3)
+            tv = None if tv is None else tv.repeat_interleave(group, -3)
+        p = _sdpa_scores(q, k, mask, pr["is_causal"], scale)
+        ts = None
+        if t["query"] is not None:
+            ts = (t["query"] @ k.mT) * scale
+        if tk is not None:
+            ts = _add(ts, (q @ tk.mT) * scale)
+        if t["attn_mask"] is not None:
+            ts = _add(ts, t["attn_mask"])
+        pk = p if keep is None else p * keep
+        t_out = None
+        if ts is not None:
+            tp = p * (ts - (ts * p).sum(-1, keepdim=True))
+            t_out = (tp if keep is None else tp * keep) @ v
+        if tv is not None:
+            t_out = _add(t_out, pk @ tv)
+        return out, t_out
+
+    def samples(dtype):
+        q, k = randn(2, 3, 4, dtype=dtype), randn(2, 5, 4, dtype=dtype)
+        v = randn(2, 5, 3, dtype=dtype)
+        yield (q, k, v), {}
+        yield (randn(2, 2, 4, 3, dtype=dtype), randn(2, 2, 4, 3, dtype=dtype),
+               randn(2, 2, 4, 3, dtype=dtype)), {"is_causal": True}
+        yield (q, k, v, randn(3, 5, dtype=dtype)), {"scale": 0.3}
+        yield (q, k, v, torch.tensor([[True, False, True, True, False]] * 3)), {}
+        yield (randn(1, 4, 3, 2, dtype=dtype), randn(1, 2, 5, 2, dtype=dtype),
+               randn(1, 2, 5, 3, dtype=dtype)), {"enable_gqa": True}
