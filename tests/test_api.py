@@ -216,7 +216,7 @@ def test_grad_of_grad_through_fused_kernels_rebuilds_plain_formulas():
     g = fxad.grad(f, x, w)
     assert "torch.ops.aten" in g.code  # first order uses the fused kernels
     h = fxad.vjp(g, x, w)
-    ct = ((torch.ones(()), (torch.zeros_like(x), torch.ones_like(w))))
+    ct = ((torch.ones((), dtype=torch.float64), (torch.zeros_like(x), torch.ones_like(w))))
     _, (hx, hw) = h(x, w, ct)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     gx, gw = torch.autograd.grad(f(xr, wr), (xr, wr), create_graph=True)

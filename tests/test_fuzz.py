@@ -209,6 +209,18 @@ def f(x0, n0):
     v2 = v0 ** (n0 % 3).double()
     return v1, v2
 """, {"x0": _F.format((3, 1)), "n0": "torch.tensor([[0, 1], [2, 0], [1, 0]])"}),
+    # clamp with one tensor bound equal to x: PyTorch's forward mode takes the bound's tangent
+    # (its reverse mode gives x the cotangent); with a number bound, x's tangent
+    "clamp_at_its_bound": ("""
+def f(x0, x1):
+    v0 = x0.detach()
+    v1 = v0.clamp(min=x0)
+    v2 = v0.clamp(max=x0)
+    v3 = torch.relu(x0).clamp(min=0)
+    v4 = torch.clamp(x0, x0.detach(), x0.detach())
+    v5 = torch.clamp(x0.detach(), x0, x1)
+    return v1, v2, v3, v4, v5
+""", {"x0": _F.format((5,)), "x1": _F.format((5,))}),
     # the method form `x.where(cond, y)` had no rule
     "tensor_where_method": ("""
 def f(x0, x1):

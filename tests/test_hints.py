@@ -6,16 +6,19 @@ assignments passed on as ``hint=hint``), together with the messages of raised ``
 calls.  Each option-like token they mention is resolved:
 
 * ``fxad.name`` / ``torch.name`` / ``F.name`` / ``nn.name``: an attribute (or submodule);
-* ``--flag``: an option of the ``fxad`` command line (any subcommand);
-* ``name=``: a parameter of a callable the text names, or (when it names none) of fxad's
-  public API, ``torch.nn.functional``, ``torch.nn`` modules, ``torch`` functions or
-  ``torch.Tensor`` methods;
+* ``--flag``: an option of the ``fxad`` command line (any subcommand), or of the module a
+  ``python -m fxad.xxx`` in the text names;
+* ``name=``: inside ``f(...)``, a parameter of ``f``; elsewhere a parameter of fxad's public
+  API, ``torch.nn.functional``, ``torch.nn`` modules, ``torch`` functions, ``torch.Tensor``
+  methods or the function that raises (``pass report=``);
 * a bare ``snake_case`` word: one of the above, or an attribute of fxad/torch/Tensor;
 * advice to mark a module as a leaf must name the option (``leaf_modules=``), and advice to
   register a rule must name ``fxad.register_vjp``.
 
-``test_checker_rejects_made_up_options`` shows the checker fails on hints naming options that
-do not exist.
+Error messages (as opposed to hints) describe the user's code, so only their ``fxad.``/
+``torch.`` names and flags are checked.  ``test_checker_rejects_made_up_options`` and
+``test_self_test_finds_a_bad_hint_in_source`` show the checker fails on hints naming options
+that do not exist (``concrete_args``, which fxad never had, among them).
 """
 from __future__ import annotations
 
@@ -311,25 +314,18 @@ def problems(text: str, kind: str = "hint", context: frozenset[str] = frozenset(
     return out
 
 
-# known bad hints in src/fxad/capture/proxy.py, which its owner is rewriting (issue 16): they
-# are reported there; every other hint must pass.  Remove an entry once its hint is fixed.
-KNOWN_BAD = {
-    "keep the value as a tensor (e.g. use torch.where instead of `if`), or pass it as a "
-    "Python number through concrete_args",
-    "fxad traces one path specialized on shapes; use torch.where/masking for data-dependent "
-    "choices, pass the flag through concrete_args, or mark the enclosing module as a leaf and "
-    "register a rule for it",
-    "pass the integer through concrete_args",
-}
-
-
 def _bad(hints: list[Hint]) -> list[str]:
     return [f"{h}: {'; '.join(p)}" for h in hints
             if (p := problems(h.text, h.kind, h.context))]
 
 
+@lru_cache(maxsize=None)
+def _source_hints() -> list[Hint]:
+    return collect_hints()
+
+
 def test_hints_are_collected():
-    hints = collect_hints()
+    hints = _source_hints()
     texts = [h.text for h in hints if h.kind == "hint"]
     assert len(texts) >= 20
     assert any("register_vjp" in t for t in texts)            # rules/registry.py
@@ -338,15 +334,8 @@ def test_hints_are_collected():
 
 
 def test_every_hint_names_existing_options():
-    bad = _bad([h for h in collect_hints() if h.text not in KNOWN_BAD])
+    bad = _bad(_source_hints())
     assert not bad, "hints naming options that do not exist:\n" + "\n".join(bad)
-
-
-@pytest.mark.xfail(reason="capture/proxy.py hints being rewritten by the capture owner "
-                          "(issue 16)", strict=False)
-def test_known_bad_hints_are_gone():
-    left = [str(h) for h in collect_hints() if h.text in KNOWN_BAD]
-    assert not left, "\n".join(left)
 
 
 def test_checker_rejects_made_up_options():

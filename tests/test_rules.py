@@ -7,6 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxad
+from fxad.coverage import check_seeded, draws_random
 from fxad.rules.registry import op_name
 
 
@@ -47,12 +48,26 @@ def _as_function(op, args, kwargs):
 # differences alone (see fxad.coverage._AUTOGRAD_WRONG)
 AUTOGRAD_WRONG = {torch.as_strided_scatter}
 
+# random ops whose autograd derivative is zero by definition, not the pathwise derivative that
+# finite differences of the seeded function measure (torch.normal: mean + std * eps would
+# give d_mean = d); checked against autograd alone
+NOT_PATHWISE = {torch.normal}
+
 
 @pytest.mark.parametrize("op,args,kwargs", list(_cases()))
 def test_rule_matches_autograd_and_finite_differences(op, args, kwargs):
     fn, inputs = _as_function(op, args, kwargs)
     if op in AUTOGRAD_WRONG:
         _check_against_finite_differences(fn, inputs)
+        return
+    if draws_random(fn, inputs):
+        # a random op (dropout in training, rrelu, bernoulli...): eager and fxad run after
+        # the same torch.manual_seed, fxad's value must equal eager's exactly (the same
+        # draws), its cotangents autograd's and finite differences of the seeded function
+        # (a seed other than the samples' own: bernoulli would redraw its probabilities)
+        problems = check_seeded(fn, inputs, seed=12345, forward=False,
+                                fd=op not in NOT_PATHWISE)
+        assert not problems, problems
         return
     report = fxad.check(fn, *inputs)
     assert report.fd_rel_err < 1e-4

@@ -15,6 +15,7 @@ from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, 
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
                      InputError, MissingRuleError, RuleError, SourceLoc)
 from .rules.fused import fused_kernels
+from .rules.fallback import FallbackWarning  # noqa: F401  (fxad.FallbackWarning)
 from .residuals import Partition, Policy, partition, set_residual_policy
 from .training import FxadModule, compile, joint_step
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister

@@ -18,6 +18,7 @@ from .capture.normalize import normalize
 from .capture.proxy import Emitter
 from .capture.tracer import capture, capturing
 from .errors import InputError
+from .rules.fallback import is_fallback_node, warn_fallbacks
 from .simplify import simplify as run_simplifier
 from .simplify.effects import input_mutations_last
 
@@ -117,6 +118,7 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
     out = _build_static(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
                         seed_ones=seed_ones, argnums=argnums)
     if dynamic is None or dynamic is False:
+        warn_fallbacks(out.graph, "fxad.grad" if seed_ones else "fxad.vjp")
         return out
     from .dynamic import generalize
     names = out.meta["fxad_input_spec"].names[:len(example_inputs)]
@@ -126,6 +128,7 @@ def _build(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simpl
                              seed_ones=seed_ones, argnums=argnums)
 
     out = generalize(build, f, names, example_inputs, dynamic, out, run=_verification_run)
+    warn_fallbacks(out.graph, "fxad.grad" if seed_ones else "fxad.vjp")
     out.meta["fxad_rebuild"] = lambda: _build(
         f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
         argnums=argnums, dynamic=dynamic)
@@ -372,13 +375,23 @@ def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iter
 _DELETION = re.compile(r";  (\w+ = )+None")
 
 
+def _show_note(node: fx.Node) -> str:
+    """A line's note in :func:`code_with_shapes`: its shape and dtype, and
+    ``# autograd fallback`` on the calls of the autograd fallback."""
+    note = codegen.shape_note(node)
+    if is_fallback_node(node):
+        return f"{note}  # autograd fallback" if note else "autograd fallback"
+    return note
+
+
 def code_with_shapes(gm: fx.GraphModule) -> str:
     """``gm.code`` with each statement annotated by its shape and dtype (``# f32[64,128]``)
-    and without FX's ``x = None`` memory-release statements."""
+    and without FX's ``x = None`` memory-release statements; a derivative computed by the
+    autograd fallback (:mod:`fxad.rules.fallback`) ends with ``# autograd fallback``."""
     graph = gm.graph
     old = graph._codegen._body_transformer
     try:
-        codegen.install(graph, annotate=codegen.shape_note)
+        codegen.install(graph, annotate=_show_note)
         src = graph.python_code("self").src
     finally:
         graph._codegen._body_transformer = old
@@ -386,7 +399,8 @@ def code_with_shapes(gm: fx.GraphModule) -> str:
 
 
 def show(gm: fx.GraphModule, *, file: TextIO | None = None, color: bool | None = None) -> str:
-    """Print ``gm``'s code annotated with shapes and dtypes; returns the plain text.
+    """Print ``gm``'s code annotated with shapes and dtypes; returns the plain text.  Lines
+    that call the autograd fallback end with ``# autograd fallback``.
 
     Uses ``rich`` syntax highlighting when writing to a terminal.
     """

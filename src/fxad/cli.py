@@ -18,6 +18,9 @@ an ``nn.Module`` class as one op, as ``leaf_modules=`` does in the Python API; i
 (``fxad.register_vjp(CLASS)``, e.g. at the bottom of ``FILE.py``).  ``CLASS`` is a class
 defined in ``FILE.py`` or a dotted path (``torch.nn.LayerNorm``, ``nn.LayerNorm``).
 
+``fxad show`` marks the lines whose derivative comes from the autograd fallback
+(``# autograd fallback``) and prints one ``fxad: warning:`` naming those ops and lines.
+
 Errors print one line, ``fxad: error: <message> (at file:line) — fix: <hint>``, and exit
 with status 2 (``fxad check`` exits with 1 when the derivatives disagree); ``--debug`` shows
 the full traceback instead.
@@ -29,6 +32,7 @@ import importlib.util
 import os
 import sys
 import traceback
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -176,7 +180,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     obj, inputs, leaves = _prepare(args)
     build = fxad.grad if args.grad else fxad.vjp
-    gm = build(obj, *inputs, leaf_modules=leaves)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fxad.FallbackWarning)
+        gm = build(obj, *inputs, leaf_modules=leaves)
+    for w in caught:  # the autograd fallback: one note (its lines are marked in the code)
+        if issubclass(w.category, fxad.FallbackWarning):
+            print(f"fxad: warning: {w.message} (marked `# autograd fallback` below)",
+                  file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.html:  # the interactive page (fxad.view) instead of the text
         from .view import view
 

@@ -21,8 +21,13 @@ Each op is classified as
 ``missing``   fxad raised :class:`fxad.MissingRuleError` (its clear missing-rule error);
 ``wrong``     numbers differ from autograd (output or a cotangent);
 ``crash``     any other exception (capture error, rule error, timeout...);
-``skip``      no usable sample (autograd itself cannot differentiate the samples, the op is
-              random, or samples are too large for the sweep).
+``skip``      no usable sample (autograd itself cannot differentiate the samples, the op
+              returns uninitialized memory, or samples are too large for the sweep).
+
+Random ops (dropout, ``rrelu``, ``bernoulli``, ``normal``, fractional max pools) are compared
+like the others, under equal seeds: every evaluation, autograd's and that of fxad's generated
+code, runs after ``torch.manual_seed(RNG_SEED)``, and fxad's generated forward draws the same
+numbers as eager PyTorch (:func:`check_seeded` does the same comparison for tests).
 
 The table (op, samples, status, reason) is written to ``--out`` (Markdown, or CSV when the
 name ends in ``.csv``) and the totals are printed.  Each op runs under a time limit
@@ -48,17 +53,18 @@ from torch.utils import _pytree as pytree
 
 STATUSES = ("pass", "fallback", "missing", "wrong", "crash", "skip")
 
-# OpInfos whose samples are random (their outputs cannot be compared with a second run) or
-# otherwise untestable by comparing two evaluations.
-_RANDOM_OPS = {
-    "bernoulli", "multinomial", "normal", "uniform", "randn", "rand", "randint", "randn_like",
-    "rand_like", "randint_like", "nn.functional.dropout", "nn.functional.dropout2d",
-    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
-    "nn.functional.rrelu", "nn.functional.fractional_max_pool2d",
-    "nn.functional.fractional_max_pool3d", "cauchy", "exponential", "geometric", "log_normal",
-    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
-    "nn.functional.gumbel_softmax",
+# OpInfos whose outputs cannot be compared at all: they return uninitialized memory.  Random
+# ops (dropout, rrelu, bernoulli, normal, fractional max pools...) are compared under equal
+# seeds instead: the sweep seeds the global generator before the autograd run and before
+# each run of fxad's generated code (whose forward draws as eager does), and calls OpInfo's
+# seeded wrappers (``wrapper_set_seed``) as plain calls.
+_UNCOMPARABLE = {
+    name: "uninitialized memory: outputs cannot be compared"
+    for name in ("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                 "empty_permuted")
 }
+# the seed set before each evaluation of a sample (the same for autograd and fxad)
+RNG_SEED = 1234
 
 
 # OpInfos whose torch.autograd gradient is itself wrong in the installed torch: fxad's
@@ -90,6 +96,28 @@ def _fd_grads(fn: Callable, xs: list[torch.Tensor], cots: list[torch.Tensor],
                 plus = [v + e if j == k else v for j, v in enumerate(xs)]
                 minus = [v - e if j == k else v for j, v in enumerate(xs)]
                 flat[i] = (loss(plus) - loss(minus)) / (2 * h)
+            grads.append(g)
+    return grads
+
+
+def _fd_grads_strided(fn: Callable, xs: list[torch.Tensor], cots: list[torch.Tensor],
+                      h: float = 1e-6) -> list[torch.Tensor]:
+    """:func:`_fd_grads` on perturbed copies with the inputs' own strides (a random op's
+    draw follows its input's layout: ``empty_like`` keeps strides)."""
+    def loss(vals: list[torch.Tensor]) -> float:
+        outs = [o for o in pytree.tree_leaves(fn(*vals)) if _is_diff(o)]
+        return sum(float((o * c).sum()) for o, c in zip(outs, cots))
+
+    grads = []
+    with torch.no_grad():
+        for k, x in enumerate(xs):
+            g = torch.zeros(x.shape, dtype=x.dtype)
+            for idx in itertools.product(*(range(n) for n in x.shape)):
+                plus, minus = x.clone(), x.clone()  # (clone keeps the strides)
+                plus[idx] += h
+                minus[idx] -= h
+                g[idx] = (loss([plus if j == k else v for j, v in enumerate(xs)])
+                          - loss([minus if j == k else v for j, v in enumerate(xs)])) / (2 * h)
             grads.append(g)
     return grads
 
@@ -185,6 +213,111 @@ def _max_err(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[bool
     return m <= bound, m
 
 
+def seeded(fn: Callable, seed: int) -> Callable:
+    """``fn`` with ``torch.manual_seed(seed)`` before each call: a function with random ops
+    then draws the same numbers in every evaluation (eager, finite differences, fxad's
+    generated code, which draws as eager does)."""
+    def call(*xs: Any) -> Any:
+        torch.manual_seed(seed)
+        return fn(*xs)
+    return call
+
+
+def draws_random(fn: Callable, inputs: list) -> bool:
+    """Whether ``fn`` at ``inputs`` runs a random op (dropout in training mode, rrelu,
+    bernoulli...), judged on fxad's captured graph."""
+    import fxad
+    from .simplify._util import is_random
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = fxad.trace(fn, *inputs)
+    return any(is_random(n) for n in gm.graph.nodes)
+
+
+def check_seeded(fn: Callable, inputs: list, *, seed: int = 0, fd: bool = True,
+                 forward: bool = True, rtol: float = 1e-7, atol: float = 1e-7) -> list[str]:
+    """Compare fxad with eager PyTorch on a function with random ops, every evaluation after
+    ``torch.manual_seed(seed)``: fxad's value must equal eager's *exactly* (the generated
+    forward draws the same numbers), its cotangents autograd's (and, with ``fd``, central
+    finite differences of the seeded function, float64), and with ``forward`` the value and
+    tangent of :func:`fxad.jvp` those of eager forward-mode AD (``torch.autograd.forward_ad``;
+    ``torch.func.jvp`` is not a reference here: it lays out ``empty_like`` differently for
+    strided inputs, so it draws other masks).  Returns the problems found (empty: agreed)."""
+    import fxad
+
+    problems: list[str] = []
+    call = seeded(fn, seed)
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = call(*xs)
+    outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
+    gen = torch.Generator().manual_seed(seed + 1)
+    cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+    used = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
+    try:
+        want = torch.autograd.grad([o for o, _ in used], xs, [c for _, c in used],
+                                   allow_unused=True) if used else [None] * len(xs)
+    except RuntimeError as e:  # autograd has no formula (torch.bernoulli(x, 0.3))
+        if "not implemented" not in str(e):
+            raise
+        want = [None] * len(xs)
+    want = [torch.zeros_like(x) if w is None else w for x, w in zip(inputs, want)]
+    if isinstance(out, torch.Tensor):
+        cot_arg: Any = cots[0]
+    else:
+        it = iter(cots)
+        cot_arg = pytree.tree_map(lambda o: next(it) if _is_diff(o) else None, out)
+    g = fxad.vjp(fn, *inputs)
+    torch.manual_seed(seed)
+    res = g(*inputs, cot_arg)
+    got_out, got = res[0], [torch.zeros_like(x) if d is None else d
+                            for x, d in zip(inputs, res[1])]
+
+    def same(a: Any, b: Any, what: str) -> None:
+        for k, (u, v) in enumerate(zip(pytree.tree_leaves(a), pytree.tree_leaves(b))):
+            if isinstance(v, torch.Tensor) and not (
+                    u.shape == v.shape and torch.equal(torch.nan_to_num(u.detach(), 7.0),
+                                                       torch.nan_to_num(v.detach(), 7.0))
+                    and torch.equal(torch.isnan(u), torch.isnan(v))):
+                problems.append(f"{what} {k} differs from eager under the same seed "
+                                "(another random stream or layout)")
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str, **tol: float) -> None:
+        try:
+            torch.testing.assert_close(a, b, **(tol or {"rtol": rtol, "atol": atol}))
+        except AssertionError as e:
+            problems.append(f"{what}: {str(e).splitlines()[0]} ({str(e).splitlines()[-1]})")
+
+    same(got_out, out, "output")
+    for k, (a, b) in enumerate(zip(got, want)):
+        close(a, b.to(a.dtype), f"cotangent of input {k} vs autograd")
+    if fd and all(x.dtype == torch.float64 for x in inputs):
+        for k, (a, b) in enumerate(zip(got, _fd_grads_strided(call, list(inputs), cots))):
+            close(a, b, f"cotangent of input {k} vs finite differences", rtol=1e-5, atol=1e-6)
+    if forward:
+        import torch.autograd.forward_ad as fwAD
+
+        tans = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in inputs]
+        j = fxad.jvp(fn, *inputs)
+        torch.manual_seed(seed)
+        j_out, j_t = j(*inputs, *tans)
+        same(j_out, out, "fxad.jvp output")
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(x, t) for x, t in zip(inputs, tans)]
+            ref = call(*duals)
+            ref_t = [fwAD.unpack_dual(o).tangent for o in pytree.tree_leaves(ref)
+                     if _is_diff(o)]
+        out_leaves = pytree.tree_leaves(out)
+        mine_all = [None] * len(out_leaves) if j_t is None else \
+            pytree.tree_leaves(j_t, is_leaf=lambda v: v is None)
+        mine = [t for t, o in zip(mine_all, out_leaves) if _is_diff(o)]
+        for k, (a, b, o) in enumerate(zip(mine, ref_t, outs)):
+            a = torch.zeros_like(o) if a is None else a
+            b = torch.zeros_like(o) if b is None else b
+            close(a.detach(), b.detach(), f"tangent of output {k} vs forward-mode autograd")
+    return problems
+
+
 def _fallback_ops(g: Any) -> set[str]:
     """Names of ops in ``g``'s forward graph whose rule is a fallback (not hand-written)."""
     try:
@@ -211,9 +344,10 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
     import fxad
 
     if float(sample.kwargs.get("dropout_p", 0.0) or 0.0) > 0.0:
-        # OpInfo seeds the call, but fxad draws its own dropout mask (same distribution), so
-        # the outputs cannot be compared; tests/test_nn_rules.py checks it with a replayed mask
-        return _SampleOutcome("skip", "random sample (dropout_p > 0)")
+        # attention dropout: fxad's rule draws its mask with rand_like, not with the kernel
+        # eager's fused attention uses, so the masks differ under the same seed;
+        # tests/test_nn_rules.py checks it with a replayed mask
+        return _SampleOutcome("skip", "random sample (attention dropout_p > 0)")
     leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
     if not slots:
@@ -245,6 +379,7 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                torch.manual_seed(RNG_SEED)  # random ops: fxad's code runs after the same seed
                 out = make_fn(active)(*xs)
                 outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
                 gen = torch.Generator().manual_seed(seed)
@@ -258,18 +393,19 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
         if op.name in _AUTOGRAD_WRONG:
             if dtype != torch.float64:
                 return _SampleOutcome("skip", "autograd is wrong here; checked in float64")
-            grads = _fd_grads(make_fn(active), [x.detach() for x in xs],
+            grads = _fd_grads(seeded(make_fn(active), RNG_SEED), [x.detach() for x in xs],
                               [c for o, c in zip(outs, cots)])
         ref = (active, out, cots, grads)
         break
     if ref is None:
         return _SampleOutcome("skip", f"autograd fails: {ref_err}"[:200])
-    with torch.no_grad(), warnings.catch_warnings():  # a random sample cannot be compared
+    with torch.no_grad(), warnings.catch_warnings():  # deterministic under the seed?
         warnings.simplefilter("ignore")
+        torch.manual_seed(RNG_SEED)
         again = make_fn(ref[0])(*[leaves[i] for i in ref[0]])
     for a, b in zip(pytree.tree_leaves(again), pytree.tree_leaves(ref[1])):
         if isinstance(b, torch.Tensor) and not _max_err(a, b, dtype)[0]:
-            return _SampleOutcome("skip", "random sample: two evaluations differ")
+            return _SampleOutcome("skip", "two evaluations differ under the same seed")
     active, out, cots, grads = ref
     if not any(o.requires_grad for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)):
         return _SampleOutcome("skip", "output does not depend on a differentiable input")
@@ -286,6 +422,7 @@ def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleO
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             g = fxad.vjp(fn, *inputs)
+            torch.manual_seed(RNG_SEED)
             res = g(*[x.clone() for x in inputs], cot_arg)
     except fxad.MissingRuleError as e:
         return _SampleOutcome("missing", f"no rule: {e.op or e.bare_message}")
@@ -336,6 +473,7 @@ def _check_jvp(fn: Callable, inputs: list, cots: list, grads: Any, out: Any,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             j = fxad.jvp(fn, *inputs)
+            torch.manual_seed(RNG_SEED)
             _, t_out = j(*[x.clone() for x in inputs], *tans)
     except fxad.MissingRuleError as e:
         return "missing", f"no rule: {e.op or e.bare_message}"
@@ -376,6 +514,27 @@ def _check_jvp(fn: Callable, inputs: list, cots: list, grads: Any, out: Any,
     return "pass", ""
 
 
+def _plain_call(op: Callable, *args: Any, **kwargs: Any) -> Any:
+    return op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _plain_opinfo_calls(op: Any) -> Iterable[None]:
+    """OpInfo wraps its random ops in ``wrapper_set_seed`` (``torch.manual_seed(42)`` inside
+    the call, the generator state restored after it); the sweep calls them plainly and seeds
+    the generator itself before each evaluation, eager's and fxad's alike."""
+    g = getattr(op.op, "__globals__", None)
+    if not isinstance(g, dict) or "wrapper_set_seed" not in g:
+        yield
+        return
+    old = g["wrapper_set_seed"]
+    g["wrapper_set_seed"] = _plain_call
+    try:
+        yield
+    finally:
+        g["wrapper_set_seed"] = old
+
+
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterable[None]:
     if seconds <= 0 or not hasattr(signal, "SIGALRM"):
@@ -400,12 +559,12 @@ def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, c128_samples:
     label = op_label(op)
     res = OpResult(label)
     t0 = time.perf_counter()
-    if op.name in _RANDOM_OPS:
-        res.reason = "random op: outputs cannot be compared"
+    if op.name in _UNCOMPARABLE:
+        res.reason = _UNCOMPARABLE[op.name]
         return res
     outcomes: list[_SampleOutcome] = []
     try:
-        with _time_limit(timeout):
+        with _time_limit(timeout), _plain_opinfo_calls(op):
             for dtype, count in ((torch.float64, max_samples), (torch.float32, f32_samples),
                                  (torch.complex128, c128_samples)):
                 if count <= 0 or dtype not in op.supported_dtypes("cpu"):
@@ -421,7 +580,8 @@ def run_op(op: Any, *, max_samples: int = 3, f32_samples: int = 1, c128_samples:
                     if _numel((sample.input, sample.args, sample.kwargs)) > max_numel:
                         outcomes.append(_SampleOutcome("skip", "sample too large"))
                         continue
-                    o = _run_sample(op, sample, dtype, seed=k)
+                    with torch.random.fork_rng(devices=[]):  # the seeds set for the
+                        o = _run_sample(op, sample, dtype, seed=k)  # sample stay in there
                     o.complex_dtype = dtype.is_complex
                     outcomes.append(o)
                     if o.status != "skip":

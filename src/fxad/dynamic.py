@@ -27,8 +27,9 @@ How (and why this is trustworthy):
    must return what that build returns (same inputs, cotangents, tangents).  Anything that
    fails falls back to a static dimension, with a :class:`DynamicWarning` saying why.
 
-Sizes must be at least 2 (a size-1 dimension broadcasts, which changes the code); the guard
-rejects smaller ones.
+Sizes must be at least the smallest size verified (the example's, or a probe below it where
+the program's decisions required it), and never 1 (a size-1 dimension broadcasts, which
+changes the code); the guard rejects smaller ones.
 """
 from __future__ import annotations
 
@@ -395,31 +396,46 @@ def _try(build: Callable, base: fx.GraphModule, names: Sequence[str], examples: 
             return (dep[0] if dep else 0), (f"a constant of the generated code ({base_consts[j]})"
                                             " is not a polynomial of the sizes")
         models[j] = model
-    # verification at a third size
-    try:
-        check_inputs = inputs_at(n2)
-        check_gm = build(check_inputs)
-        struct, consts = _constants(check_gm)
-    except Exception as e:  # noqa: BLE001
-        return 0, f"the program fails at the verification size: {type(e).__name__}"
-    if struct != base_struct:
-        return 0, "the generated code's structure changes at a third size"
-    for j, model in models.items():
-        if not _close(_evaluate(model, tuple(n2)), consts[j]):
-            return 0, (f"a size-dependent constant ({base_consts[j]}) does not follow one "
-                       "formula at a third size")
-    for j in range(len(base_consts)):
-        if j not in models and consts[j] != base_consts[j]:
-            return 0, "a constant changes only at a third size"
+    # verification: at a third size above the example (required), then at the smallest
+    # sizes below it, which set the smallest size the guard accepts
+    def verify(sizes: Sequence[int]) -> str | None:
+        try:
+            check_inputs = inputs_at(sizes)
+            check_gm = build(check_inputs)
+            struct, consts = _constants(check_gm)
+        except Exception as e:  # noqa: BLE001
+            return f"the program fails at size {list(sizes)}: {type(e).__name__}"
+        if struct != base_struct:
+            return "the generated code's structure changes at a third size"
+        for j, model in models.items():
+            if not _close(_evaluate(model, tuple(sizes)), consts[j]):
+                return (f"a size-dependent constant ({base_consts[j]}) does not follow one "
+                        "formula at a third size")
+        for j in range(len(base_consts)):
+            if j not in models and consts[j] != base_consts[j]:
+                return "a constant changes only at a third size"
+        try:
+            got = run(gm, check_inputs, check_gm)
+            want = run(check_gm, check_inputs, check_gm)
+        except Exception as e:  # noqa: BLE001
+            return f"the generic code fails at size {list(sizes)} ({type(e).__name__})"
+        if not _same(got, want):
+            return "the generic code's result differs from a build at the verification size"
+        return None
+
     gm = _rewrite(_copy_module(base), names, examples, groups, models)
-    _guard(gm, groups, predicates, syms, names)
-    try:
-        got = run(gm, check_inputs, check_gm)
-        want = run(check_gm, check_inputs, check_gm)
-    except Exception as e:  # noqa: BLE001
-        return 0, f"the generic code fails at the verification size ({type(e).__name__})"
-    if not _same(got, want):
-        return 0, "the generic code's result differs from a build at the verification size"
+    low = [min(a, b, c) for a, b, c in zip(n0, n1, n2)]
+    _guard(gm, groups, predicates, syms, names, [2] * m)  # widest while verifying
+    why = verify(n2)
+    if why is not None:
+        return 0, why
+    for small in range(2, min(n0)):
+        sizes = [small if small not in taken or small == n else n for n in n0]
+        if sizes == list(n0) or not holds(sizes) or verify(sizes) is not None:
+            continue
+        low = [min(a, b) for a, b in zip(low, sizes)]
+        break
+    _guard(gm, groups, predicates, syms, names, low)
     return gm
 
 
@@ -570,7 +586,7 @@ def _rewrite(gm: fx.GraphModule, names: Sequence[str], examples: tuple,
 
 
 def _guard(gm: fx.GraphModule, groups: list[list[tuple[int, int]]], predicates: list[Any],
-           syms: dict, names: Sequence[str]) -> None:
+           syms: dict, names: Sequence[str], low: Sequence[int]) -> None:
     """Let the module's guard accept the generic dimensions, check that dimensions of one size
     agree, and evaluate the program's other decisions on sizes (``s0 > 8``) at run time."""
     import sympy
@@ -579,10 +595,12 @@ def _guard(gm: fx.GraphModule, groups: list[list[tuple[int, int]]], predicates: 
     if spec is None:
         return
     from .guards import _TensorSlot
+    spec.symbols.clear()
+    spec.predicates.clear()
     for k, g in enumerate(groups):
         sym = f"{names[g[0][0]]}.shape[{g[0][1]}]"
         spec.symbols[sym] = []
-        spec.min_size[sym] = 2
+        spec.min_size[sym] = max(2, low[k])  # the smallest size the probes verified
         for i, d in g:
             j = -1 if spec.trees[i] is None else 0
             slot = spec.leaves[i][max(j, 0)]

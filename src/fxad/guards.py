@@ -68,7 +68,7 @@ class InputSpec:
             if len(slots) == 1 and tree is None:  # a plain argument: no pytree work
                 self._check_leaf(i, -1, a, slots[0])
                 continue
-            leaves, spec = pytree.tree_flatten(a)
+            leaves, spec = pytree.tree_flatten(_plain(a))
             if spec != tree:
                 raise InputError(
                     f"argument `{self.names[i]}` does not have the structure it was traced "
@@ -123,7 +123,7 @@ class InputSpec:
                 f"that depend on them are fixed in the code); {self.rebuild}")
 
     def _check_symbols(self, args: Sequence[Any]) -> None:
-        flat = [pytree.tree_leaves(a) if self.trees[i] is not None else [a]
+        flat = [pytree.tree_leaves(_plain(a)) if self.trees[i] is not None else [a]
                 for i, a in enumerate(args)]
         for sym, members in self.symbols.items():
             sizes = [(m, flat[m[0]][max(m[1], 0)].shape[m[2]]) for m in members]
@@ -139,8 +139,21 @@ class InputSpec:
             if first < low:
                 raise InputError(
                     f"the dynamic size {sym} is {first}, but the generic code was verified for "
-                    f"sizes >= {low} only (size-1 dimensions broadcast differently); "
+                    f"sizes >= {low} only (smaller sizes can change the code: a size-1 "
+                    f"dimension broadcasts, equal sizes merge expressions); "
                     f"{self.rebuild}")
+
+
+def _plain(x: Any) -> Any:
+    """Named tuples and ``torch.return_types`` as plain tuples: a cotangent for
+    ``torch.sort``'s ``(values, indices)`` may be either."""
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
@@ -158,6 +171,7 @@ def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
     symbols: dict[str, list[tuple[int, int, int]]] = {}
     for i, ex in enumerate(examples):
         plain = not isinstance(ex, (tuple, list, dict))
+        ex = ex if plain else _plain(ex)
         flat = [ex] if plain else pytree.tree_flatten(ex)[0]
         trees.append(None if plain else pytree.tree_flatten(ex)[1])
         slots = []

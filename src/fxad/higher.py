@@ -197,6 +197,8 @@ def _build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
         rebuild="rebuild it with fxad.jvp(f, *inputs) on inputs like these")
     if src_mod is not None:
         _install_mode_check(out, src_mod)
+    from .rules.fallback import warn_fallbacks
+    warn_fallbacks(graph, "fxad.jvp")  # once per build (fxad.FallbackWarning)
     return out
 
 

@@ -25,8 +25,19 @@ def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     if isinstance(x, torch.fx.Proxy):  # called by a rule while writing graph code
         return x.tracer.create_proxy("call_function", setitem, (x, index, value), {})
     out = x.clone()
+    if isinstance(value, torch.Tensor) and _batched(value) and not _batched(x):
+        # under torch.func.vmap (fxad.jacrev / hessian) a batched value cannot be written
+        # into an unbatched copy: make the copy batched first (adding a batched zero)
+        out = out + torch.zeros_like(value).sum().to(out.dtype)
     out[index] = value
     return out
+
+
+def _batched(t: torch.Tensor) -> bool:
+    try:
+        return bool(torch._C._functorch.is_batchedtensor(t))
+    except (AttributeError, RuntimeError):  # pragma: no cover - other torch versions
+        return False
 
 
 def autograd_function(name: str, inputs: tuple, outputs: Any, saved: tuple = ()) -> Any:

@@ -864,7 +864,20 @@ def _partition(vjp_gm: fx.GraphModule, policy: str | Policy | None, lift_params:
     for n in nodes:
         if n in inputs or (n in keep and n.op != "placeholder"):
             env[n] = fg.node_copy(n, lambda a: env[a])
-    fg.output(tuple(env[x] for x in out_leaves) + tuple(env[s] for s in saved))
+    # an input the program mutates is written back at the end of the forward (copy_): a
+    # backward that reads its value before the mutation gets a copy taken just before that
+    writes = {n.args[0]: env[n] for n in nodes
+              if n.meta.get("fxad_input_mutation") and n in env}
+    saved_out = []
+    for s_ in saved:
+        if s_ in writes:
+            with fg.inserting_before(writes[s_]):
+                c = fg.call_method("clone", (env[s_],))
+            c.meta = dict(s_.meta)
+            saved_out.append(c)
+        else:
+            saved_out.append(env[s_])
+    fg.output(tuple(env[x] for x in out_leaves) + tuple(saved_out))
     saved_total = sum(_cost(s) for s in saved)
     desc = [f"{s.name} {codegen.shape_note(s)} "
             + ("(parameter)" if s.meta.get("fxad_param") else f"({_fmt_bytes(nbytes(s))})")

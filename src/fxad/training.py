@@ -518,12 +518,19 @@ class FxadModule(torch.nn.Module):
         return mods, prefs
 
     def _signature(self, inputs: tuple) -> Any:
+        # what a capture specializes on (fxad.guards): every tensor leaf's shape, dtype,
+        # device (and requires_grad, which decides what is differentiated); every other leaf's
+        # value; and the containers' structure.  A change re-traces (cached per signature).
         sig = []
         for x in inputs:
             if isinstance(x, torch.Tensor):
                 sig.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
-            else:
-                sig.append(("const", repr(x)))
+                continue
+            leaves, spec = pytree.tree_flatten(x)
+            sig.append((str(spec), tuple(
+                (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+                if isinstance(v, torch.Tensor) else ("const", type(v).__name__, repr(v))
+                for v in leaves)))
         mods, prefs = self._modules_and_params()
         modes = tuple(m.training for m in mods)
         trainable = tuple(q.requires_grad for _, _, q in prefs)

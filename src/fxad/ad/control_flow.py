@@ -47,12 +47,20 @@ def _examples(values: tuple) -> tuple:
 
 
 def _attach(em: Any, gm: fx.GraphModule, stem: str) -> Any:
-    root = em.root
+    """Keep a generated derivative module on the graph's root (and on the user's module the
+    root stands for, which the generated module is built on: a plain attribute, not a
+    registered submodule) and read it with a ``get_attr`` node."""
+    roots = [em.root]
+    meta = getattr(em.root, "meta", None)
+    src = meta.get("fxad_source_module") if isinstance(meta, dict) else None
+    if src is not None and src is not em.root:
+        roots.append(src)
     k = 0
-    while hasattr(root, f"_fxad_{stem}_{k}"):
+    while any(hasattr(r, f"_fxad_{stem}_{k}") for r in roots):
         k += 1
     name = f"_fxad_{stem}_{k}"
-    object.__setattr__(root, name, gm)
+    for r in roots:
+        object.__setattr__(r, name, gm)
     return em.create_proxy("get_attr", name, (), {})
 
 

@@ -152,8 +152,10 @@ class TensorProxy(fx.Proxy):
                     f"`{self.node.name}.{k}()` needs the tensor's data, which is not available "
                     "while tracing (fxad specializes on shapes only)",
                     op=f"Tensor.{k}", loc=user_source_loc(),
-                    hint="keep the value as a tensor (e.g. use torch.where instead of `if`), or "
-                         "pass it as a Python number through concrete_args",
+                    hint="keep the value as a tensor in the derivative code (a rule that "
+                         "needs a tensor's value must compute with it, e.g. torch.where); "
+                         "a Python number can be passed as an argument, which fxad "
+                         "specializes on",
                 )
         return fx.proxy.Attribute(self, k)
 
@@ -186,15 +188,16 @@ class TensorProxy(fx.Proxy):
         raise DataDependentError(
             f"Python control flow depends on the value of tensor `{self.node.name}`",
             op="bool(Tensor)", loc=user_source_loc(),
-            hint="fxad traces one path specialized on shapes; use torch.where/masking for "
-                 "data-dependent choices, pass the flag through concrete_args, or mark the "
-                 "enclosing module as a leaf and register a rule for it",
+            hint="derivative code is written once for all data: choose values with "
+                 "torch.where(pred, a, b), or code paths with torch.cond",
         )
 
     def __index__(self) -> int:
         raise DataDependentError(
             f"tensor `{self.node.name}` used as a Python integer", op="Tensor.__index__",
-            loc=user_source_loc(), hint="pass the integer through concrete_args")
+            loc=user_source_loc(),
+            hint="use a Python int computed from shapes (x.shape[0]), or pass the integer as "
+                 "an argument of the traced function, which fxad specializes on")
 
     def __setitem__(self, index: Any, value: Any) -> None:
         setitem = getattr(self.tracer, "setitem", None)

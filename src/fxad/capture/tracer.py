@@ -97,6 +97,8 @@ def _record_factories(tracer: Any) -> Iterator[None]:
     originals = {name: getattr(torch, name) for name in _FACTORIES}
 
     def make(name: str, orig: Callable) -> Callable:
+        orig = getattr(orig, "__wrapped__", orig)  # nested: the real factory, not the outer one
+
         def factory(*args: Any, **kwargs: Any) -> Any:
             if in_meta_computation():
                 return orig(*args, **kwargs)
@@ -109,6 +111,8 @@ def _record_factories(tracer: Any) -> Iterator[None]:
     grads = {name: getattr(nn_grad, name) for name in _CONV_GRADS if hasattr(nn_grad, name)}
 
     def make_grad(orig: Callable) -> Callable:
+        orig = getattr(orig, "__wrapped__", orig)
+
         def conv_grad(*args: Any, **kwargs: Any) -> Any:
             if in_meta_computation() or not any(isinstance(a, fx.Proxy) for a in
                                                 pytree.tree_leaves((args, kwargs))):

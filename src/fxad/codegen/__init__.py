@@ -13,6 +13,7 @@ without them the code is unchanged apart from the spellings.
 """
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -116,6 +117,10 @@ class BodyTransformer:
         # wrote (``native_layer_norm = torch.native_layer_norm(...)`` rather than the
         # ``layer_norm = native_layer_norm[0]`` that picks the value out of its result)
         first = self._first_fwd.get(block)
+        if first is not None and _is_draw(self._by_name.get(first)):
+            # a random op's rule draws its noise first (``empty_like(x).bernoulli_(0.7)``):
+            # name the statement that computes the value instead
+            first = self._value_source(block)
         fwd = (stmt_of.get(first, "") if first else "") or stmt_of.get(block, block)
         text = f"# {kind} of: {fwd}" if fwd else f"# {kind} of {block}"
         loc = node.meta.get("fxad_jvp_src" if kind == "tangent" else "fxad_bwd_src")
@@ -125,6 +130,29 @@ class BodyTransformer:
         if loc is not None:
             text += f"  [{loc.short()}]"
         return text + "\n"
+
+
+    def _value_source(self, block: str) -> str:
+        """The node computing forward value ``block``: the value itself, or the node it picks
+        its result out of (``rrelu = rrelu_with_noise_functional[0]``)."""
+        node = self._by_name.get(block)
+        if node is not None and node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node) \
+                and node.args[0].meta.get("fxad_fwd_of") == block:
+            return node.args[0].name
+        return block
+
+
+def _is_draw(node: fx.Node | None) -> bool:
+    """A node that allocates or fills random noise (``torch.empty_like``, ``x.new_empty``,
+    ``torch.rand``, an in-place random method)."""
+    if node is None:
+        return False
+    from ..simplify._util import is_random
+
+    return is_random(node) or (node.op == "call_method" and node.target in (
+        "new_empty", "bernoulli_", "uniform_", "normal_", "exponential_", "geometric_",
+        "cauchy_", "log_normal_", "random_"))
 
 
 def _block(node: fx.Node) -> tuple[str, str] | None:

@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for reproducers (default ./fuzz_failures)")
     p.add_argument("--mode", choices=("reverse", "forward", "both"), default="both")
     p.add_argument("--no-shrink", action="store_true", help="write failing programs unshrunk")
+    p.add_argument("--focus", default="",
+                   help="comma-separated op families drawn 6x as often (e.g. inplace,alias)")
     p.add_argument("--quiet", action="store_true", help="only the summary")
     p.add_argument("--families", action="store_true",
                    help="print how many programs use each op family")
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("reverse", "forward") if args.mode == "both" else (args.mode,)
     log = None if args.quiet else (lambda s: print(s, flush=True))
     summary = run_batch(args.n, args.seed, modes=modes, out_dir=args.out,
-                        do_shrink=not args.no_shrink, start=args.start, log=log)
+                        do_shrink=not args.no_shrink, start=args.start, log=log,
+                        focus=tuple(f for f in args.focus.split(",") if f))
     print(summary.report())
     if args.families:
         print("  families: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.families.items())))

@@ -40,6 +40,7 @@ _WEIGHTS = {  # relative frequency of each family per statement ("fanout" arises
     "factory": 2, "inplace": 7, "setitem": 5, "alias": 3,
 }
 
+FOCUS_FACTOR = 6
 MAX_NUMEL = 256
 MAX_ABS = 1e4
 MAX_DERIVATIVE = 1e6
@@ -70,8 +71,11 @@ def _lit(values: Any) -> str:
 
 
 class _Gen:
-    def __init__(self, seed: int, index: int, attempt: int) -> None:
-        self.r = random.Random(f"fxad-fuzz:{seed}:{index}:{attempt}")
+    def __init__(self, seed: int, index: int, attempt: int,
+                 focus: tuple[str, ...] = ()) -> None:
+        key = f"fxad-fuzz:{seed}:{index}:{attempt}" + (f":{','.join(focus)}" if focus else "")
+        self.r = random.Random(key)
+        self.focus = focus
         self.tag = f"seed{seed}-{index}"
         self.input_seed = (seed * 1_000_003 + index * 7919 + attempt) % (2 ** 31)
         self.inputs: list[Input] = []
@@ -744,9 +748,17 @@ class _Gen:
                       f"torch.linspace(0, 1, {s[0]}, dtype=torch.float64)"]
         return self.one("factory", self.choice(forms))
 
+    def overlapping(self, name: str) -> bool:
+        """Whether ``name`` or a tensor sharing its memory has elements sharing one memory
+        location (``expand``): writing there has no well-defined autograd semantics."""
+        return any(any(st == 0 and n > 1 for st, n in zip(self.t(k).stride(), self.t(k).shape))
+                   for k in [name] + self.aliases(name))
+
     def _mutation(self, t: str, family: str) -> Any:
         """An in-place statement on ``t`` (an intermediate)."""
         r = self.r
+        if self.overlapping(t):
+            return None
         s = self.shp(t)
         nd = len(s)
         b = self.pick("f", lambda n: n != t and self.broadcastable(t, n, onto=True))
@@ -840,7 +852,7 @@ class _Gen:
     # ------------------------------------------------------------------------------ driver
     def body(self, n_stmts: int) -> None:
         fams = list(_WEIGHTS)
-        weights = [_WEIGHTS[f] for f in fams]
+        weights = [_WEIGHTS[f] * (FOCUS_FACTOR if f in self.focus else 1) for f in fams]
         tries = 0
         while len(self.stmts) < n_stmts and tries < 6 * n_stmts:
             tries += 1
@@ -921,10 +933,15 @@ def eager_ok(prog: Program) -> bool:
         forget(f)
 
 
-def generate(seed: int, index: int, *, max_attempts: int = 50) -> Program:
-    """The ``index``-th program of the batch ``seed`` (deterministic)."""
+def generate(seed: int, index: int, *, focus: tuple[str, ...] = (),
+             max_attempts: int = 50) -> Program:
+    """The ``index``-th program of the batch ``seed`` (deterministic); ``focus``: families
+    drawn :data:`FOCUS_FACTOR` times as often (another batch of programs)."""
+    bad = [f for f in focus if f not in _WEIGHTS]
+    if bad:
+        raise ValueError(f"unknown families {bad}; choose from {list(_WEIGHTS)}")
     for attempt in range(max_attempts):
-        g = _Gen(seed, index, attempt)
+        g = _Gen(seed, index, attempt, tuple(focus))
         g.make_inputs()
         g.load_inputs()
         g.body(g.r.randint(3, 12))

@@ -11,7 +11,8 @@ Classes of a program (per mode, and overall: the worst of its modes):
     any value, derivative, shape or dtype that differs from PyTorch's, a derivative missing
     where PyTorch has a nonzero one, or generated code that modifies its inputs.
 ``crash``
-    any other exception from fxad (a bare ``IndexError`` from inside fxad), an fxad error
+    any other exception from fxad (a bare ``IndexError`` from inside fxad, or one that fxad
+    wrapped in a :class:`fxad.RuleError` because a built-in rule raised it), an fxad error
     raised while running generated code, or an fxad error that does not name the op and line.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
-from ..errors import FxadError
+from ..errors import FxadError, RuleError
 from . import oracle
 from .generator import eager_ok, generate
 from .program import Program, Stmt, forget
@@ -128,12 +129,19 @@ def run_mode(prog: Program, mode: str, f: Callable | None = None) -> Outcome:
             return Outcome(mode, "wrong", str(e), f"{mode}:wrong", traceback.format_exc())
         except FxadError as e:
             tb = traceback.format_exc()
-            if phase == "build" and is_clear_refusal(e, f):
+            # a built-in rule that raised (fxad reports it as a RuleError naming the op and
+            # line, caused by the bare exception) is a bug, not a refusal
+            cause = e.__cause__
+            internal = isinstance(e, RuleError) and cause is not None \
+                and not isinstance(cause, FxadError)
+            if phase == "build" and not internal and is_clear_refusal(e, f):
                 return Outcome(mode, "refusal", f"{type(e).__name__}: {e}",
                                f"{mode}:refusal:{type(e).__name__}", tb)
-            why = "unclear refusal" if phase == "build" else f"fxad error while {phase}"
+            why = ("a rule raised " + type(cause).__name__ if internal else
+                   "unclear refusal" if phase == "build" else f"fxad error while {phase}")
+            where = _where(cause.__traceback__) if internal else _where(e.__traceback__)
             return Outcome(mode, "crash", f"{why}: {type(e).__name__}: {e}",
-                           f"{mode}:crash:{type(e).__name__}:{_where(e.__traceback__)}", tb)
+                           f"{mode}:crash:{type(e).__name__}:{where}", tb)
         except Exception as e:
             tb = traceback.format_exc()
             return Outcome(mode, "crash", f"{phase}: {type(e).__name__}: {e}",
@@ -354,14 +362,16 @@ def _refusal_key(o: Outcome) -> str:
 
 def run_batch(n: int, seed: int, *, modes: Iterable[str] = MODES, out_dir: str | None = None,
               do_shrink: bool = True, start: int = 0, max_shrink_per_signature: int = 3,
+              focus: tuple[str, ...] = (),
               log: Callable[[str], None] | None = None) -> Summary:
-    """Generate and check programs ``start .. start+n-1`` of batch ``seed``."""
+    """Generate and check programs ``start .. start+n-1`` of batch ``seed`` (see
+    :func:`fxad.fuzz.generate` for ``focus``)."""
     modes = tuple(modes)
     summary = Summary(mode_counts={m: {c: 0 for c in CLASSES} for m in modes})
     shrunk_per_sig: dict[str, int] = {}
     t0 = time.monotonic()
     for index in range(start, start + n):
-        prog = generate(seed, index)
+        prog = generate(seed, index, focus=focus)
         for fam in prog.families:
             summary.families[fam] = summary.families.get(fam, 0) + 1
         res = run_program(prog, modes)

@@ -27,7 +27,8 @@ written with (``builtin``, ``unary``, sample makers, shared combinators) are in
   ``complex``, ``polar``, ``conj``, ``angle``
 * :mod:`fxad.rules.random` — ``bernoulli``, ``normal`` (drawn as eager draws them)
 * :mod:`fxad.rules.nn` — ``torch.nn.functional``: activations, normalization, convolution,
-  pooling, attention, losses, embedding, dropout, ...
+  pooling, attention, losses, embedding, dropout, recurrent networks (``torch.lstm``,
+  ``gru``, ``rnn_tanh``/``rnn_relu`` and the ``*_cell`` ops), ...
 
 Support modules: :mod:`fxad.rules.fused` (the fused-kernel level switch),
 :mod:`fxad.rules.complex` (which rules are verified for complex tensors) and

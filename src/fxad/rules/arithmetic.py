@@ -230,11 +230,16 @@ class Clamp:
 
     def jvp(primals, tangents):
         (x, lo, hi), (tx, t_lo, t_hi) = primals, tangents
-        # the tangent of whichever operand the value is (same selection as the VJP)
+        # the tangent of whichever operand the value is; where x equals its only bound and
+        # that bound is a tensor, the bound's, as PyTorch's clamp_jvp (its VJP gives that
+        # cotangent to x instead; a number bound: x's tangent, as both of PyTorch's modes)
+        if hi is None and _is_t(lo):
+            return torch.clamp(x, lo, hi), _select(x > lo, tx, t_lo)
+        if lo is None and _is_t(hi):
+            return torch.clamp(x, lo, hi), _select(x < hi, tx, t_hi)
         t = tx if lo is None else _select(x < lo, t_lo, tx)
         if hi is not None:
-            hi_wins = x > hi if lo is None else (x > hi) | (hi < lo)
-            t = _select(hi_wins, t_hi, t)
+            t = _select(x > hi if lo is None else (x > hi) | (hi < lo), t_hi, t)
         return torch.clamp(x, lo, hi), t
 
     def samples(dtype):

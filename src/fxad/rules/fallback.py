@@ -20,6 +20,12 @@ A hand-written rule always wins: fallbacks are only registered for ops that have
 this module is imported, and :func:`fxad.register_vjp` replaces a fallback without
 ``replace=True``.  Set ``FXAD_NO_FALLBACK=1`` in the environment before importing fxad to
 get :class:`fxad.MissingRuleError` instead.
+
+The fallback is never silent: every build whose generated code calls it (``fxad.vjp``,
+``fxad.grad``, ``fxad.jvp`` and what is built on them) emits one :class:`FallbackWarning`
+naming each op that used it and the user's line (:func:`warn_fallbacks`; once per build,
+not per call of the generated module), and ``fxad.show`` / ``fxad.code_with_shapes`` /
+``fxad show`` end those lines with ``# autograd fallback`` (:func:`is_fallback_node`).
 """
 from __future__ import annotations
 
@@ -37,6 +43,71 @@ FALLBACK_SOURCE = ("fallback: the VJP is computed by torch.autograd on the op (r
 
 _FALLBACK_OPS: set[Any] = set()
 _BY_NAME: dict[str, Any] = {}
+
+
+class FallbackWarning(UserWarning):
+    """A build used the autograd fallback (:mod:`fxad.rules.fallback`) for some ops: their
+    derivative is computed by ``torch.autograd`` inside the generated code (the op is re-run
+    there), not written out in torch code.  ``uses`` lists ``(op, location)`` pairs, the
+    location being the user's ``file:line`` (or ``None`` where unknown)."""
+
+    def __init__(self, message: str, uses: list[tuple[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.uses = list(uses or [])
+
+
+def is_fallback_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` of generated code is a call of the autograd fallback
+    (``fxad_autograd_vjp(...)`` / ``fxad_autograd_jvp(...)``)."""
+    return node.op == "call_function" and node.target in (autograd_vjp, autograd_jvp)
+
+
+def fallback_uses(graph: torch.fx.Graph) -> list[tuple[str, Any]]:
+    """``(op name, user's source location)`` of each autograd-fallback call in ``graph``, in
+    order, each pair once.  The location is the forward op's ``SourceLoc`` (or ``None``)."""
+    from ..codegen import public_spelling
+    from .registry import op_name
+
+    seen: dict[tuple[str, str], tuple[str, Any]] = {}
+    for n in graph.nodes:
+        if not is_fallback_node(n):
+            continue
+        op = n.args[0] if n.args else "?"
+        name = public_spelling(op if isinstance(op, str) else op_name(op))
+        loc = _loc(n) or next((_loc(u) for u in n.users if _loc(u) is not None), None)
+        seen.setdefault((name, loc.short() if loc is not None else ""), (name, loc))
+    return list(seen.values())
+
+
+def _loc(n: torch.fx.Node) -> Any:
+    return n.meta.get("fxad_bwd_src") or n.meta.get("fxad_jvp_src") or n.meta.get("fxad_loc")
+
+
+def warn_fallbacks(graph: torch.fx.Graph, api: str) -> list[tuple[str, Any]]:
+    """Emit one :class:`FallbackWarning` for a build whose generated ``graph`` calls the
+    autograd fallback, naming each op and the user's line; returns the uses (empty: no
+    warning).  Called once per build by the entry points (``fxad.vjp``/``grad``/``jvp``),
+    never by the generated code itself."""
+    import sys
+    import warnings
+
+    uses = fallback_uses(graph)
+    if not uses:
+        return uses
+    where = ", ".join(f"{name} at {loc.short()}" if loc is not None else name
+                      for name, loc in uses)
+    n_ops = len({name for name, _ in uses})
+    msg = (f"{api}: the derivative of {n_ops} op{'s' if n_ops != 1 else ''} comes from the "
+           f"autograd fallback (torch.autograd runs inside the generated code; not "
+           f"source-to-source below the op): {where}.  Register a rule with "
+           f"fxad.register_vjp to replace it, or set FXAD_NO_FALLBACK=1 before importing "
+           f"fxad to make this an error")
+    # point at the user's call of fxad (the first frame outside the fxad package)
+    level, f = 1, sys._getframe(0)
+    while f is not None and f.f_globals.get("__name__", "").split(".")[0] == "fxad":
+        f, level = f.f_back, level + 1
+    warnings.warn(FallbackWarning(msg, uses), stacklevel=level)
+    return uses
 
 
 def is_fallback(op: Any) -> bool:

@@ -304,15 +304,21 @@ _triangular(torch.triu)
 
 @builtin(torch.cat, torch.concat, torch.concatenate)
 class Cat:
-    """cat(xs, dim): d_xs = split(d, sizes, dim) (derivatives.yaml `cat`)."""
+    """cat(xs, dim): d_xs = split(d, sizes, dim) (derivatives.yaml `cat`).  A legacy empty
+    1-D operand (``torch.tensor([])`` beside tensors of more dimensions, as transformers'
+    KV cache starts) is skipped by ``torch.cat`` and gets no cotangent."""
 
     def fwd(tensors, dim=0):
-        return torch.cat(tensors, dim), ([t.shape[dim] for t in tensors], dim)
+        out = torch.cat(tensors, dim)
+        nd = len(out.shape)
+        dim = dim % nd if nd else 0
+        sizes = [None if nd != 1 and tuple(t.shape) == (0,) else t.shape[dim] for t in tensors]
+        return out, (sizes, dim)
 
     def bwd(aux, d):
         sizes, dim = aux
-        parts = torch.split(d, sizes, dim)
-        return ([parts[i] for i in range(len(sizes))],)
+        parts = iter(torch.split(d, [s for s in sizes if s is not None], dim))
+        return ([None if s is None else next(parts) for s in sizes],)
 
     def jvp(primals, tangents):
         (xs, dim), ts = primals, tangents[0]
@@ -321,6 +327,7 @@ class Cat:
     def samples(dtype):
         yield ([randn(2, 3, dtype=dtype), randn(4, 3, dtype=dtype)],), {}
         yield ([randn(2, 3, dtype=dtype), randn(2, 1, dtype=dtype)], 1), {}
+        yield ([torch.tensor([], dtype=dtype), randn(2, 3, dtype=dtype)], -2), {}
 
 
 @builtin(torch.stack)

@@ -10,7 +10,8 @@ import torch.fx as fx
 # ops whose result differs between two identical calls
 RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
               torch.randn_like, torch.randint_like, torch.bernoulli, torch.multinomial,
-              torch.normal, torch.empty, torch.empty_like}
+              torch.normal, torch.empty, torch.empty_like,
+              torch.ops.aten.rrelu_with_noise_functional.default}
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -34,14 +35,34 @@ def is_impure(node: fx.Node) -> bool:
 def is_random(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in RANDOM_OPS:
         return True
-    if node.op == "call_function" and node.target in (torch.nn.functional.dropout,
-                                                       torch.dropout):
-        # random only when it drops something: training and 0 < p
-        p = _kw(node, "p", 1, 0.5)
-        training = _kw(node, "training" if node.target is torch.nn.functional.dropout
-                       else "train", 2, True)
-        return bool(training) and p != 0
-    return node.op == "call_method" and node.target in ("bernoulli", "uniform_", "normal_")
+    if node.op == "call_function" and node.target in _TRAINING_RANDOM:
+        # random only when it draws: training (and, for the dropouts, 0 < p)
+        flag, pos, default = _TRAINING_RANDOM[node.target]
+        if not _kw(node, flag, pos, default):
+            return False
+        return node.target in _RRELU or _kw(node, "p", 1, 0.5) != 0
+    if node.op == "call_function" and node.target in _FRACTIONAL:
+        return _kw(node, "_random_samples", 5, None) is None  # draws its windows
+    return node.op == "call_method" and node.target in ("bernoulli", "uniform_", "normal_",
+                                                        "bernoulli_", "exponential_",
+                                                        "geometric_", "cauchy_",
+                                                        "log_normal_", "random_")
+
+
+F = torch.nn.functional
+# ops that draw random numbers in training mode: the flag's name, position and default
+_TRAINING_RANDOM = {
+    F.dropout: ("training", 2, True), F.dropout1d: ("training", 2, True),
+    F.dropout2d: ("training", 2, True), F.dropout3d: ("training", 2, True),
+    F.alpha_dropout: ("training", 2, False), F.feature_alpha_dropout: ("training", 2, False),
+    torch.dropout: ("train", 2, True), torch.feature_dropout: ("train", 2, True),
+    torch.alpha_dropout: ("train", 2, True), torch.feature_alpha_dropout: ("train", 2, True),
+    torch.native_dropout: ("train", 2, True),
+    F.rrelu: ("training", 3, False), torch.rrelu: ("training", 3, False),
+}
+_RRELU = {F.rrelu, torch.rrelu}
+_FRACTIONAL = {F.fractional_max_pool2d, F.fractional_max_pool3d,
+               F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices}
 
 
 def _kw(node: fx.Node, name: str, pos: int, default: Any) -> Any:

@@ -16,10 +16,13 @@
 * :mod:`~fxad.rules.nn.embedding` — ``embedding``, ``embedding_bag``
 * :mod:`~fxad.rules.nn.distance` — ``cosine_similarity``, ``pairwise_distance``, ``pdist``,
   ``cdist``
+* :mod:`~fxad.rules.nn.recurrent` — ``torch.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` (what
+  ``nn.LSTM``/``nn.GRU``/``nn.RNN`` call, padded or packed) and their ``*_cell`` ops: the time
+  loop and backpropagation through time written out as code
 * :mod:`~fxad.rules.nn.dropout` — dropout and the other random ops (their masks are drawn
   in the forward and replayed in the backward)
 
 Helpers shared by these modules (and only by them) are in :mod:`fxad.rules.nn._common`.
 """
 from . import (activations, attention, convolution, distance, dropout, embedding,  # noqa: F401
-               linear, losses, normalization, pooling, vision)
+               linear, losses, normalization, pooling, recurrent, vision)

@@ -1,7 +1,8 @@
 """Rules for the dropout family: ``F.dropout``, ``F.dropout1d/2d/3d``, ``F.alpha_dropout``,
 ``F.feature_alpha_dropout``, their ``torch.*`` entry points (``torch.dropout``,
 ``torch.feature_dropout``, ``torch.alpha_dropout``, ``torch.feature_alpha_dropout``),
-``torch.native_dropout`` and ``aten.native_dropout_backward``.
+``torch.native_dropout`` (called as it is: it is eager's own kernel) and
+``aten.native_dropout_backward``.
 
 The same random numbers as eager PyTorch (CPU)
 ----------------------------------------------
@@ -9,9 +10,9 @@ The generated forward draws the noise exactly as ATen's CPU kernels do
 (``aten/src/ATen/native/Dropout.cpp``, ``_dropout_impl``; ``native_dropout_cpu``): the same
 in-place kernel on a fresh tensor of the same shape, strides and dtype, in the same order::
 
-    noise = torch.empty_like(x).bernoulli_(0.7)     # dropout / alpha_dropout / native_dropout
-    noise = x.new_empty((N, C, 1, 1)).bernoulli_(0.7)  # feature dropout (dropout1d/2d/3d,
-                                                        # feature_alpha_dropout)
+    noise = torch.empty_like(x).bernoulli_(0.7)      # dropout, alpha_dropout
+    noise = torch.empty((N, C, 1, 1), dtype=x.dtype).bernoulli_(0.7)  # feature dropout
+                                                     # (dropout1d/2d/3d, feature_alpha_dropout)
 
 then the same arithmetic (``noise / (1 - p)``, or alpha dropout's ``a`` and ``b`` constants
 computed in double precision as ATen does), so under the same ``torch.manual_seed`` the
@@ -57,7 +58,8 @@ def _noise(input: Any, p: float, feature: bool, unbatched: bool) -> Any:
     noise_shape = shape[:2] + (1,) * (len(shape) - 2)
     if unbatched:
         noise_shape = noise_shape[1:]
-    return input.new_empty(noise_shape).bernoulli_(1 - p)
+    # (torch.empty, not x.new_empty: the simplifier never merges two torch.empty calls)
+    return torch.empty(noise_shape, dtype=input.dtype, device=input.device).bernoulli_(1 - p)
 
 
 def _dropout_fwd(input: Any, p: float, training: bool, *, feature: bool = False,
@@ -85,14 +87,14 @@ def _dropout_bwd(mask: Any, d: Any) -> Any:
     return d * mask
 
 
-def _samples(*shapes: tuple[int, ...]):
+def _samples(*shapes: tuple[int, ...], functional: bool = True):
     """Samples of a dropout rule: eval mode, p = 0, training with p = 0.3 and 0.6, p = 1,
     on each shape (training samples are random: the rule tests seed eager and fxad alike)."""
     def samples(dtype):
         for k, shape in enumerate(shapes):
             x = randn(*shape, dtype=dtype)
             if k == 0:
-                yield (x,), {"p": 0.4, "training": False}
+                yield ((x,), {"p": 0.4, "training": False}) if functional else ((x, 0.4, False), {})
                 yield (x, 0.0, True), {}
                 yield (x, 1.0, True), {}
             yield (x, 0.3, True), {}
@@ -145,7 +147,7 @@ _DROPOUT_DOC = (
     "mask (derivatives.yaml `native_dropout`: native_dropout_backward).  p == 0, eval mode or "
     "an empty input: identity; p == 1: x * 0.")
 _FEATURE_DOC = (
-    "Channel dropout: noise of shape (N, C, 1, ...) = x.new_empty(...).bernoulli_(1 - p) "
+    "Channel dropout: noise of shape (N, C, 1, ...) = torch.empty(...).bernoulli_(1 - p) "
     "(ATen's `make_feature_noise`; an unbatched input of {unbatched} dimensions is seen with "
     "N = 1), mask = noise / (1 - p), y = x * mask; d_x = d * mask, t_y = t * mask "
     "(derivatives.yaml: the `mul` by the noise tensor of the composite CPU kernel).  Same "
@@ -161,7 +163,7 @@ _register(F.dropout, feature=False, alpha=False, unbatched_dims=None, training_n
           training_default=True, doc=_DROPOUT_DOC, samples=_samples((3, 4), (2, 3, 5)))
 _register(torch.dropout, feature=False, alpha=False, unbatched_dims=None, training_name="train",
           training_default=None, doc="``torch.dropout(x, p, train)``: " + _DROPOUT_DOC,
-          samples=_samples((3, 4)))
+          samples=_samples((3, 4), functional=False))
 _register(F.dropout1d, feature=True, alpha=False, unbatched_dims=2, training_name="training",
           training_default=True, doc=_FEATURE_DOC.format(unbatched=2),
           samples=_samples((2, 5, 4), (5, 4)))
@@ -175,44 +177,40 @@ _register(F.dropout3d, feature=True, alpha=False, unbatched_dims=4, training_nam
 _register(torch.feature_dropout, feature=True, alpha=False, unbatched_dims=None,
           training_name="train", training_default=None,
           doc="``torch.feature_dropout(x, p, train)``: " + _FEATURE_DOC.format(
-              unbatched="(none)"), samples=_samples((2, 5, 3)))
+              unbatched="(none)"), samples=_samples((2, 5, 3), functional=False))
 _register(F.alpha_dropout, feature=False, alpha=True, unbatched_dims=None,
           training_name="training", training_default=False,
           doc=_ALPHA_DOC.format(noise="empty_like(x)"), samples=_samples((3, 4), (2, 3, 5)))
 _register(torch.alpha_dropout, feature=False, alpha=True, unbatched_dims=None,
           training_name="train", training_default=None,
           doc="``torch.alpha_dropout(x, p, train)``: " + _ALPHA_DOC.format(
-              noise="empty_like(x)"), samples=_samples((3, 4)))
+              noise="empty_like(x)"), samples=_samples((3, 4), functional=False))
 _register(F.feature_alpha_dropout, feature=True, alpha=True, unbatched_dims=None,
           training_name="training", training_default=False,
-          doc=_ALPHA_DOC.format(noise="x.new_empty((N, C, 1, ...))"),
+          doc=_ALPHA_DOC.format(noise="torch.empty((N, C, 1, ...))"),
           samples=_samples((2, 5, 3, 4), (3, 4)))
 _register(torch.feature_alpha_dropout, feature=True, alpha=True, unbatched_dims=None,
           training_name="train", training_default=None,
           doc="``torch.feature_alpha_dropout(x, p, train)``: " + _ALPHA_DOC.format(
-              noise="x.new_empty((N, C, 1, ...))"), samples=_samples((2, 5, 3)))
+              noise="torch.empty((N, C, 1, ...))"), samples=_samples((2, 5, 3), functional=False))
 
 
 def _native_dropout_fwd(input: Any, p: float, train: Any) -> tuple[Any, Any]:
-    if train is False:  # (x.clone(), ones): ATen's eval branch
-        return (torch.clone(input), torch.ones_like(input, dtype=torch.bool)), None
-    if input.numel() == 0:
-        return (input, torch.empty_like(input, dtype=torch.bool)), None
-    noise = torch.empty_like(input).bernoulli_(1 - p)
-    scale = 0.0 if p == 1 else 1.0 / (1 - p)
-    return (input * noise * scale, noise.to(torch.bool)), (noise, scale)
+    both = torch.native_dropout(input, p, train)  # the op itself: eager's kernel and draws
+    if train is False:
+        return both, None
+    return both, (both[1], 0.0 if p == 1 else 1.0 / (1 - p))
 
 
 @builtin(torch.native_dropout)
 class NativeDropout:
-    """``torch.native_dropout(x, p, train) -> (y, mask)``: noise = empty_like(x).bernoulli_(1
-    - p), y = x * noise * scale with scale = 1 / (1 - p) (0 for p == 1), mask = noise != 0,
-    as ATen's ``native_dropout_cpu`` (the same draws as eager on the CPU under the same seed;
-    CUDA uses a fused kernel with another random stream); d_x = d * noise * scale, t_y = t *
-    noise * scale (derivatives.yaml `native_dropout`: native_dropout_backward).  train=False:
-    (clone of x, ones)."""
+    """``torch.native_dropout(x, p, train) -> (y, mask)``: the generated forward calls the op
+    itself (the same kernel and draws as eager under the same seed: on the CPU
+    ``empty_like(x).bernoulli_(1 - p)``, on CUDA a fused kernel) and saves the boolean mask;
+    d_x = d * mask * scale, t_y = t * mask * scale with scale = 1 / (1 - p), 0 for p == 1
+    (derivatives.yaml `native_dropout`: native_dropout_backward).  train=False: identity."""
 
-    residuals = "intermediates"
+    residuals = "output"
     recompute = False
 
     def fwd(input, p, train):
@@ -220,12 +218,10 @@ class NativeDropout:
 
     def bwd(aux, d):
         d = d[0] if isinstance(d, tuple) else d
-        if d is None:
-            return (None,)
-        if aux is None:
+        if d is None or aux is None:
             return (d,)
-        noise, scale = aux
-        return (d * noise * scale,)
+        mask, scale = aux
+        return (d * mask * scale,)
 
     def jvp(primals, tangents):
         value, aux = _native_dropout_fwd(*primals[:3])
@@ -234,8 +230,8 @@ class NativeDropout:
             return value, None
         if aux is None:
             return value, (t, None)
-        noise, scale = aux
-        return value, (t * noise * scale, None)
+        mask, scale = aux
+        return value, (t * mask * scale, None)
 
     def samples(dtype):
         x = randn(3, 4, dtype=dtype)

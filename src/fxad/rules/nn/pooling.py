@@ -819,7 +819,7 @@ def _fractional_rule(nd: int, op: Any, with_indices: Any) -> type:
     always = op is with_indices
 
     class FractionalMaxPool:
-        residuals = "intermediates"
+        residuals = "output+intermediates"  # the indices: an item of the value, or not
         recompute = False
 
         def fwd(input, kernel_size, output_size=None, output_ratio=None, return_indices=False,

@@ -8,34 +8,52 @@
   what ``nn.RNNCell``, ``nn.LSTMCell`` and ``nn.GRUCell`` call.
 
 **Forward.**  The time loop is unrolled: the sequence length, and for a packed sequence the
-batch size of every step, are fixed at capture.  Per layer and direction the input
-projection of all time steps is one matmul before the loop (``x @ W_ih^T + b``, rows of all
-steps stacked time-major: ``(T*B, F)``, or the packed rows), then one cell per step with
-PyTorch's gate conventions (``torch/nn/modules/rnn.py`` docstrings, ATen ``RNN.cpp``)::
+batch size of every step, are fixed when the code is written.  Per layer and direction the
+input projection of all time steps is one matmul before the loop (``x @ W_ih^T + b`` on the
+rows of all steps, time-major: ``(T*B, F)``, or the packed rows), then one cell per step with
+PyTorch's gate conventions (``torch/nn/modules/rnn.py``, ATen ``RNN.cpp``)::
 
     LSTM  gates = x_proj[t] + h @ W_hh^T;  i, f, g, o = gates.chunk(4, 1)
-          c = f * c + i * g  (with sigmoid i, f, o and tanh g);  h = o * tanh(c)  [@ W_hr^T]
+          c = f * c + i * g  (sigmoid i, f, o; tanh g);  h = o * tanh(c)  [@ W_hr^T]
     GRU   gh = h @ W_hh^T + b_hh;  r, z = sigmoid(x_rz[t] + gh_rz).chunk(2, 1)
           n = tanh(x_n[t] + r * gh_n)  (b_hn inside the reset product);  h = lerp(n, h, z)
     RNN   h = tanh(x_proj[t] + h @ W_hh^T)   (or relu)
 
-The reverse direction of a bidirectional layer runs the same cell from the last step to the
-first; the two directions' outputs are concatenated on the feature dimension and feed the
-next layer.  Dropout between layers (training, ``dropout > 0``) draws its mask as eager
-PyTorch does on the CPU (``empty_like(y).bernoulli_(1 - p) / (1 - p)``, ATen's
-``dropout``), so the same seed gives the same mask.  With a packed sequence only the first
-``batch_sizes[t]`` rows are active at step ``t`` (sequences sorted by decreasing length):
-rows leave the loop when their sequence ends (their last state is their ``h_n``), and, in
-the reverse direction, join it from ``h_0`` at their last element.
+Without an initial state (zeros, as ``nn.RNNBase`` makes them) the first step skips its
+products with ``h_0``.  The reverse direction of a bidirectional layer runs the same cell
+from the last step to the first; the two directions' outputs are concatenated on the
+feature dimension and feed the next layer.  Dropout between layers (training,
+``dropout > 0``) draws its mask as eager PyTorch does on the CPU
+(``empty_like(y).bernoulli_(1 - p) / (1 - p)``, ATen's ``dropout``), so the same seed gives
+the same masks.  With a packed sequence only the first ``batch_sizes[t]`` rows are active
+at step ``t`` (sequences sorted by decreasing length): rows leave the loop when their
+sequence ends (their last state is their ``h_n``) and, in the reverse direction, join it
+from ``h_0`` at their last element.
 
-**Backward** (backpropagation through time, the same loop reversed).  The per-step gate
-activations are saved; the derivative factors of all steps (``sigmoid' = s (1 - s)``,
-``tanh' = 1 - t^2``, and their products with the other gates) are computed at once before
-the reverse loop, whose per-step work is the recurrent matmul and a few products carrying
-``(d_h, d_c)``; the weight and bias gradients are one matmul (one sum) over all steps
-after it: ``d_W_hh = d_gates^T @ h_prev`` with the gate cotangents of every step stacked.
-The input cotangent is ``d_gates @ W_ih``, also for all steps at once.  Forward mode
-transposes the backward (see :mod:`fxad.rules.registry`).
+**Backward** (backpropagation through time, the loop reversed).  The forward saves each
+step's gate activations; the derivative factors of all steps (``sigmoid' = s (1 - s)``,
+``tanh' = 1 - t^2`` and their products with the other gates) are computed at once before
+the reverse loop, whose per-step work is the recurrent matmul (which also adds the previous
+step's output cotangent: ``d_h = d_y[t-1] + d_gates @ W_hh``, one addmm) and a few products
+carrying ``(d_h, d_c)``; the weight and bias cotangents are one matmul (one sum) over all
+steps after it: ``d_W_hh = d_gates^T @ h_prev`` with the gate cotangents of every step
+stacked, and the input's is ``d_gates @ W_ih``.  Forward mode (``jvp``) writes the tangents
+step by step beside the values.
+
+**Code built to run** (fused kernels at level ``"all"``: ``fxad.compile``,
+``fxad.joint_step``; :mod:`fxad.rules.fused`): the gate factors use
+``torch.ops.aten.sigmoid_backward`` / ``tanh_backward``, and a float32 CPU LSTM without
+projections on a padded batch runs oneDNN's LSTM layer and its backward
+(:func:`onednn_lstm_layer`, :func:`onednn_lstm_layer_backward`: ``aten.mkldnn_rnn_layer``
+and ``aten.mkldnn_rnn_layer_backward``), exactly where eager ``nn.LSTM`` runs them (ATen
+``use_mkldnn``), with autograd's values bit for bit; the unrolled Python-level loop cannot
+match that fused kernel's speed on the CPU.
+
+**Packed sequences need their batch sizes when the code is written**: a real or constant
+(``get_attr``) ``batch_sizes`` tensor, or one whose node carries the value capture recorded
+(``meta['fxad_value']``); otherwise the rule raises a :class:`~fxad.errors.RuleError`
+saying so.  (Capture does not record ``pack_padded_sequence`` yet: its output shape depends
+on the lengths' values.)
 """
 from __future__ import annotations
 
@@ -43,9 +61,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from .._base import _add, _error, builtin, randn
+from .. import fused
+from .._base import _add, _emit, _error, builtin, randn, value_of
 from ..registry import needs_cotangent
 
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -65,9 +83,9 @@ def _is_packed(second: Any) -> bool:
 
 
 def _constant_ints(t: Any, op: str) -> list[int]:
-    """The values of a packed sequence's ``batch_sizes``: the unrolled loop needs them at
-    transform time.  Read from a real tensor, a graph constant (``get_attr``), or the value
-    capture recorded for it (``meta['fxad_value']``)."""
+    """The values of a packed sequence's ``batch_sizes``: the unrolled loop needs them when
+    the code is written.  Read from a real tensor, a graph constant (``get_attr``), or the
+    value capture recorded for the node (``meta['fxad_value']``)."""
     if isinstance(t, torch.Tensor) and not isinstance(t, fx.Proxy) \
             and type(t).__name__ != "FakeTensor":
         return [int(v) for v in t.tolist()]
@@ -86,14 +104,22 @@ def _constant_ints(t: Any, op: str) -> list[int]:
             if isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor":
                 return [int(v) for v in obj.tolist()]
     raise _error(op, "the batch sizes of the packed sequence are not known when the code is "
-                 "generated (fxad unrolls the time loop, one step per batch size)",
+                 "written (fxad unrolls the time loop, one step per batch size)",
                  "pack the sequence with lengths fxad can read at capture: a Python list "
                  "(pack_padded_sequence(x, [5, 3, 2])) or a CPU tensor constant, not a "
                  "tensor input of the traced function")
 
 
+def _is_zeros(t: Any) -> bool:
+    """``t`` is made by ``torch.zeros`` in the graph (what ``nn.RNNBase`` and the cells use
+    when no initial state is given)."""
+    node = getattr(t, "node", None)
+    zeros = getattr(torch.zeros, "__wrapped__", torch.zeros)
+    return node is not None and node.op == "call_function" and node.target is zeros
+
+
 def _rows(x: Any, sizes: list[int]) -> tuple:
-    """``x`` (rows of all time steps, time-major) split into one block per step."""
+    """``x`` (rows of all time steps, time-major) split into one block of rows per step."""
     if len(sizes) == 1:
         return (x,)
     if all(s == sizes[0] for s in sizes):
@@ -101,28 +127,52 @@ def _rows(x: Any, sizes: list[int]) -> tuple:
     return x.split(sizes)
 
 
-def _cat_rows(parts: list) -> Any:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def _linear(x: Any, w: Any, b: Any) -> Any:
-    """``x @ w^T + b`` for 2-D ``x`` (one addmm)."""
+    """``x @ w^T + b`` for a 2-D ``x`` (one addmm)."""
     return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
 
 
-def _pad_rows(top: Any, bottom: Any, n_top: int, n_bottom: int, like: Any) -> Any:
-    """``cat([top, bottom])`` along rows, ``None`` standing for zeros (``None`` if both)."""
-    if top is None and bottom is None:
+def _mm_t(a: Any, w: Any) -> Any:
+    """``a @ w^T``, ``None`` (zero) if either is."""
+    return None if a is None or w is None else torch.mm(a, w.t())
+
+
+def _mm_add(c: Any, a: Any, b: Any) -> Any:
+    """``c + a @ b`` (one addmm), ``a @ b`` when ``c`` is ``None``."""
+    return torch.mm(a, b) if c is None else torch.addmm(c, a, b)
+
+
+def _sigmoid_grad(d: Any, s: Any) -> Any:
+    """``d * s * (1 - s)`` for ``s = sigmoid(x)``: in code built to run (fused level
+    ``"all"``) one kernel, ``torch.ops.aten.sigmoid_backward``."""
+    if fused.enabled("all"):
+        return torch.ops.aten.sigmoid_backward(d, s)
+    return d * (s * (1 - s))
+
+
+def _tanh_grad(d: Any, t: Any) -> Any:
+    """``d * (1 - t^2)`` for ``t = tanh(x)`` (level ``"all"``: ``aten.tanh_backward``; ``d``
+    may be the number 1)."""
+    if isinstance(d, (int, float)) and d == 1:
+        return 1 - t * t
+    if fused.enabled("all"):
+        return torch.ops.aten.tanh_backward(d, t)
+    return d * (1 - t * t)
+
+
+def _zeros(rows: int, cols: int, like: Any) -> Any:
+    return torch.zeros((rows, cols), dtype=like.dtype, device=like.device)
+
+
+def _join_rows(parts: list, starts: list[int], total: int, cols: int, like: Any) -> Any:
+    """``cat(parts)`` along rows, part ``k`` holding rows ``starts[k]`` to the next start (or
+    ``total``); ``None`` parts are zeros; ``None`` when every part is."""
+    if all(p is None for p in parts):
         return None
-    if top is None:
-        return F.pad(bottom, (0, 0, n_top, 0))
-    if bottom is None:
-        return F.pad(top, (0, 0, 0, n_bottom))
-    return torch.cat([top, bottom])
-
-
-def _zeros_rows(n: int, like: Any) -> Any:
-    return torch.zeros((n, like.shape[1]), dtype=like.dtype, device=like.device)
+    ends = starts[1:] + [total]
+    full = [p if p is not None else _zeros(e - s, cols, like)
+            for p, s, e in zip(parts, starts, ends)]
+    return full[0] if len(full) == 1 else torch.cat(full)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,261 +180,528 @@ def _zeros_rows(n: int, like: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 class _Direction:
-    """The forward of one layer-direction (its code written into the graph) and what its
-    backward reads."""
+    """One layer-direction: its forward (the unrolled loop, written into the graph by
+    :meth:`forward`) and its backward (:meth:`backward`, reading what the forward saved).
 
-    def __init__(self, kind: str, weights: tuple, sizes: list[int], reverse: bool) -> None:
+    Per-step values are kept by time step ``t``; "all steps" means their rows concatenated
+    in time order, the layout of the input rows (``(T*B, .)`` time-major, or packed)."""
+
+    def __init__(self, kind: str, weights: tuple, sizes: list[int], reverse: bool,
+                 prefix: str | None = "") -> None:
         self.kind = kind
+        # names of the values in the code: ``h_t3``, ``rev_c_t0``, ``l1_gates_t5``,
+        # ``d_h_t2``; ``prefix=None``: one step (a cell), named ``h``, ``gates``...
+        self.prefix = prefix
         self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.w_hr = weights
         self.sizes = sizes
-        self.order = list(range(len(sizes)))[::-1] if reverse else list(range(len(sizes)))
-        self.hidden = self.w_hh.shape[1] if kind != "lstm" or self.w_hr is None \
-            else self.w_hr.shape[1]
+        steps = list(range(len(sizes)))
+        self.order = steps[::-1] if reverse else steps   # processing order of the time steps
         self.saved: dict[str, dict[int, Any]] = {}
-        self.h_prev: dict[int, Any] = {}
-        self.c_prev: dict[int, Any] = {}
+        self.stacked: dict[str, Any] = {}  # per-step values of all steps in one tensor
+
+    def name(self, value: Any, what: str, t: int) -> Any:
+        """Name the node of ``value`` (a proxy this rule just wrote) after ``what`` at step
+        ``t``; returns ``value``."""
+        node = getattr(value, "node", None)
+        if node is not None and self.prefix is not None:
+            node._rename(f"{self.prefix}{what}" + (f"_t{t}" if t >= 0 else "_all"))
+        elif node is not None:
+            node._rename(what)
+        return value
 
     def save(self, t: int, **values: Any) -> None:
         for k, v in values.items():
             self.saved.setdefault(k, {})[t] = v
 
-    def all_steps(self, name: str, source: dict[int, Any] | None = None) -> Any:
-        """The per-step values ``name`` of every step, in time order (rows like the input)."""
-        d = self.saved[name] if source is None else source
-        return _cat_rows([d[t] for t in range(len(self.sizes))])
+    def all_steps(self, name: str) -> Any:
+        """The saved values ``name`` of all steps, one tensor (named ``<name>_all``)."""
+        if name in self.stacked:
+            return self.stacked[name]
+        sizes = self.sizes
+        uniform = all(b == sizes[0] for b in sizes)
+        if name in ("h_prev", "c_prev") and uniform and len(sizes) > 1:
+            # the states each step read: the first step's initial state and the outputs of
+            # all but the last step, in time order
+            first = self.saved[name][self.order[0]]
+            outs = self.all_steps(name[0])
+            b = sizes[0]
+            out = torch.cat([first, outs[:-b]] if self.order[0] == 0 else [outs[b:], first])
+        else:
+            out = self.cat_steps(self.saved[name], None)
+        if len(sizes) > 1 and self.prefix is not None:
+            out.node._rename(f"{self.prefix}{name}_all")
+        self.stacked[name] = out
+        return out
+
+    def cat_steps(self, per_step: dict[int, Any], cols: int | None) -> Any:
+        """Rows of all steps in time order; a missing step (``None``) is zeros of ``cols``
+        columns."""
+        parts = [per_step.get(t) for t in range(len(self.sizes))]
+        if any(p is None for p in parts):
+            parts = [p if p is not None else _zeros(b, cols, self.like)
+                     for p, b in zip(parts, self.sizes)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, x: Any, h0: Any, c0: Any) -> tuple[Any, Any, Any]:
-        """``x``: ``(rows, features)`` input of all steps; returns the outputs of all steps
-        ``(rows, hidden)``, and the final ``h`` (and ``c``) of every sequence."""
-        self.x = x
+    def forward(self, x: Any, h0: Any, c0: Any, zero: bool = False,
+                tan: tuple | None = None) -> tuple:
+        """``x``: the input rows of all steps; ``zero``: ``h_0`` (and ``c_0``) are zeros (the
+        first step then skips its products with them).  Returns the output rows of all
+        steps, and the final ``h`` (and ``c``) of every sequence.
+
+        Forward mode: ``tan = (t_x, t_h0, t_c0, t_weights)`` (``None`` for zero tangents)
+        also writes the tangents, step by step beside the values, and returns
+        ``(y, h, c, t_y, t_h, t_c)``."""
         kind, sizes = self.kind, self.sizes
+        self.x, self.like = x, h0
+        self.batch, self.h_size = h0.shape[0], h0.shape[1]
+        self.c_size = None if c0 is None else c0.shape[1]
+        hs = self.h_size
+        pre = "" if self.prefix is None else self.prefix
         if kind == "gru":
             proj = _linear(x, self.w_ih, self.b_ih)
-            hs = self.w_hh.shape[1]
+            proj.node._rename(f"{pre}x_proj")  # the input projection of all steps
             x_rz, x_n = proj.split([2 * hs, hs], 1)
-            steps = list(zip(_rows(x_rz, sizes), _rows(x_n, sizes)))
+            steps: Any = list(zip(_rows(x_rz, sizes), _rows(x_n, sizes)))
         else:
-            bias = _add(self.b_ih, self.b_hh)
-            steps = _rows(_linear(x, self.w_ih, bias), sizes)
+            proj = _linear(x, self.w_ih, _add(self.b_ih, self.b_hh))
+            proj.node._rename(f"{pre}x_proj")
+            steps = _rows(proj, sizes)
         w_hh_t = self.w_hh.t()
-        w_hr_t = self.w_hr.t() if self.w_hr is not None else None
-        full = h0.shape[0]
+        w_hr_t = None if self.w_hr is None else self.w_hr.t()
+        t_steps: Any = [None] * len(sizes)
+        th = tc = th0 = tc0 = None
+        if tan is not None:
+            tx, th0, tc0, tw = tan
+            self.tw = tw
+            t_proj = _add(_add(_mm_t(tx, self.w_ih), _mm_t(x, tw[0])),
+                          tw[2] if kind == "gru" else _add(tw[2], tw[3]))
+            if t_proj is not None:
+                if kind == "gru":
+                    t_rz, t_n = t_proj.split([2 * hs, hs], 1)
+                    t_steps = list(zip(_rows(t_rz, sizes), _rows(t_n, sizes)))
+                else:
+                    t_steps = list(_rows(t_proj, sizes))
         n = sizes[self.order[0]]
-        h = h0 if n == full else h0[:n]
-        c = None if c0 is None else (c0 if n == full else c0[:n])
-        final: list[tuple[int, Any, Any]] = []  # (first row, h, c) of sequences that ended
-        outputs: dict[int, Any] = {}
+        h = h0 if n == self.batch else h0[:n]
+        c = None if c0 is None else (c0 if n == self.batch else c0[:n])
+        if tan is not None:
+            th = None if th0 is None else (th0 if n == self.batch else th0[:n])
+            tc = None if tc0 is None else (tc0 if n == self.batch else tc0[:n])
+        ended: list[tuple] = []  # (first row, h, c, t_h, t_c) of sequences that ended
+        t_out: dict[int, Any] = {}
         for t in self.order:
             b = sizes[t]
             if b < n:  # sequences b..n ended at the previous step
-                final.append((b, h[b:n], None if c is None else c[b:n]))
-                h = h[:b]
-                c = None if c is None else c[:b]
-            elif b > n:  # (reverse direction) sequences n..b start here, from h_0
+                ended.append((b, h[b:n], None if c is None else c[b:n],
+                              None if th is None else th[b:n], None if tc is None else tc[b:n]))
+                h, c = h[:b], None if c is None else c[:b]
+                th, tc = None if th is None else th[:b], None if tc is None else tc[:b]
+            elif b > n:  # (reverse direction, packed) sequences n..b start here, from h_0
                 h = torch.cat([h, h0[n:b]])
                 c = None if c is None else torch.cat([c, c0[n:b]])
+                if tan is not None:
+                    th = _join_rows([th, None if th0 is None else th0[n:b]], [0, n], b, hs, h0)
+                    if c is not None:
+                        tc = _join_rows([tc, None if tc0 is None else tc0[n:b]], [0, n], b,
+                                        self.c_size, h0)
             n = b
-            self.h_prev[t], self.c_prev[t] = h, c
+            self.save(t, h_prev=h, c_prev=c)
+            first_zero = zero and t == self.order[0]
+            h_prev, c_prev = h, c
+            x_t = tuple(self.name(v, w, t) for v, w in zip(steps[t], ("x_rz", "x_n"))) \
+                if kind == "gru" else self.name(steps[t], "x_proj", t)
             if kind == "lstm":
-                h, c = self._lstm_step(t, steps[t], h, c, w_hh_t, w_hr_t)
+                h, c = self._lstm_step(t, x_t, h, c, w_hh_t, w_hr_t, first_zero)
             elif kind == "gru":
-                h = self._gru_step(t, steps[t], h, w_hh_t)
+                h = self._gru_step(t, x_t, h, w_hh_t, first_zero)
             else:
-                h = self._rnn_step(t, steps[t], h, w_hh_t)
-            outputs[t] = h
-        self.outputs = outputs
-        self.n_end = n
-        self.entered = sizes[self.order[0]]
-        if final:
-            final.sort(key=lambda e: e[0])
-            h = torch.cat([h] + [e[1] for e in final])
-            if c is not None:
-                c = torch.cat([c] + [e[2] for e in final])
-        y = self.all_steps("", outputs)
-        return y, h, c
+                h = self._rnn_step(t, x_t, h, w_hh_t, first_zero)
+            self.save(t, h=h)
+            if tan is not None:
+                th, tc = self._tangent_step(t, t_steps[t], th, tc, h_prev, c_prev, first_zero)
+                if th is not None and tuple(th.shape) != (b, hs):  # (a broadcast bias tangent)
+                    th = th.expand(b, hs)
+                t_out[t] = th
+        self.last_rows = n
+        if ended:
+            ended.sort(key=lambda e: e[0])
+            starts = [0] + [e[0] for e in ended]
+            h = torch.cat([h] + [e[1] for e in ended])
+            c = None if c is None else torch.cat([c] + [e[2] for e in ended])
+            if tan is not None:
+                th = _join_rows([th] + [e[3] for e in ended], starts, self.batch, hs, h0)
+                if c is not None:
+                    tc = _join_rows([tc] + [e[4] for e in ended], starts, self.batch,
+                                    self.c_size, h0)
+        y = self.all_steps("h")
+        if tan is None:
+            # what the backward reads, stacked here in the forward (saved as a few tensors
+            # rather than a few per step)
+            for name in {"lstm": "ifgoc", "gru": ("r", "z", "n", "gh_n")}.get(kind, ()):
+                self.all_steps(name)
+            return y, h, c
+        t_y = None if all(v is None for v in t_out.values()) else self.cat_steps(t_out, hs)
+        return y, h, c, t_y, th, tc
 
-    def _lstm_step(self, t: int, x_t: Any, h: Any, c: Any, w_hh_t: Any, w_hr_t: Any) -> tuple:
-        gates = torch.addmm(x_t, h, w_hh_t)
+    def _tangent_step(self, t: int, tx: Any, th: Any, tc: Any, h: Any, c: Any,
+                      zero: bool) -> tuple[Any, Any]:
+        """Tangents of the new ``h`` (and ``c``) of step ``t`` from those of the input
+        projection ``tx``, of the previous ``h`` / ``c`` and of the weights (``self.tw``);
+        ``h``, ``c``: the previous state."""
+        tw_ih, tw_hh, tb_ih, tb_hh, tw_hr = self.tw
+        sv = {k: v[t] for k, v in self.saved.items()}
+        hs = self.h_size
+        if self.kind == "gru":
+            tx_rz, tx_n = (None, None) if tx is None else tx
+            t_gh = _add(tb_hh, None if zero else _add(_mm_t(th, self.w_hh), _mm_t(h, tw_hh)))
+            t_gh_rz = None if t_gh is None else t_gh[..., :2 * hs]
+            t_gh_n = None if t_gh is None else t_gh[..., 2 * hs:]
+            r, z, n, gh_n = sv["r"], sv["z"], sv["n"], sv["gh_n"]
+            t_rz = _add(tx_rz, t_gh_rz)
+            tr, tz = (None, None) if t_rz is None else t_rz.chunk(2, -1)
+            tr = None if tr is None else r * (1 - r) * tr
+            tz = None if tz is None else z * (1 - z) * tz
+            t_np = _add(tx_n, _add(None if tr is None else tr * gh_n,
+                                   None if t_gh_n is None else r * t_gh_n))
+            tn = None if t_np is None else (1 - n * n) * t_np
+            t_h = _add(None if tn is None else (1 - z) * tn,
+                       _add(None if th is None or zero else z * th,
+                            None if tz is None else tz * (h - n)))
+            return t_h, None
+        t_pre = _add(tx, None if zero else _add(_mm_t(th, self.w_hh), _mm_t(h, tw_hh)))
+        if self.kind != "lstm":
+            h_new = sv["h"]
+            if t_pre is None:
+                return None, None
+            d = 1 - h_new * h_new if self.kind == "rnn_tanh" else (h_new > 0).to(h_new.dtype)
+            return d * t_pre, None
+        i, f, g, o, c_new = sv["i"], sv["f"], sv["g"], sv["o"], sv["c"]
+        if t_pre is None:
+            ti = tf = tg = to = None
+        else:
+            ti, tf, tg, to = t_pre.chunk(4, 1)
+            ti, tf = i * (1 - i) * ti, f * (1 - f) * tf
+            tg, to = (1 - g * g) * tg, o * (1 - o) * to
+        t_c = _add(_add(None if tf is None or zero else tf * c,
+                        None if tc is None or zero else f * tc),
+                   _add(None if ti is None else ti * g, None if tg is None else i * tg))
+        tanh_c = torch.tanh(c_new)
+        t_h = _add(None if to is None else to * tanh_c,
+                   None if t_c is None else o * (1 - tanh_c * tanh_c) * t_c)
+        if self.w_hr is not None:
+            t_h = _add(_mm_t(t_h, self.w_hr), _mm_t(o * tanh_c, tw_hr))
+        return t_h, t_c
+
+    def _lstm_step(self, t: int, x_t: Any, h: Any, c: Any, w_hh_t: Any, w_hr_t: Any,
+                   zero: bool) -> tuple:
+        gates = x_t if zero else self.name(torch.addmm(x_t, h, w_hh_t), "gates", t)
         i, f, g, o = gates.chunk(4, 1)
-        i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
-        c = torch.addcmul(f * c, i, g)  # f * c + i * g
+        i, f = self.name(torch.sigmoid(i), "i", t), self.name(torch.sigmoid(f), "f", t)
+        g, o = self.name(torch.tanh(g), "g", t), self.name(torch.sigmoid(o), "o", t)
+        c = self.name(i * g if zero else torch.addcmul(f * c, i, g), "c", t)  # f * c + i * g
         h = o * torch.tanh(c)
         if w_hr_t is not None:
             h = torch.mm(h, w_hr_t)
         self.save(t, i=i, f=f, g=g, o=o, c=c)
-        return h, c
+        return self.name(h, "h", t), c
 
-    def _gru_step(self, t: int, x_t: tuple, h: Any, w_hh_t: Any) -> Any:
+    def _gru_step(self, t: int, x_t: tuple, h: Any, w_hh_t: Any, zero: bool) -> Any:
         x_rz, x_n = x_t
-        hs = h.shape[1]
+        hs = self.h_size
+        if zero and self.b_hh is None:  # h @ W_hh^T = 0
+            r, z = torch.sigmoid(x_rz).chunk(2, 1)
+            n = self.name(torch.tanh(x_n), "n", t)
+            self.save(t, r=r, z=z, n=n, gh_n=torch.zeros_like(n))
+            return self.name((1 - z) * n, "h", t)
+        if zero:  # h @ W_hh^T + b_hh = b_hh
+            gh_rz, gh_n = self.b_hh.split([2 * hs, hs])
+            r, z = self.name(torch.sigmoid(x_rz + gh_rz), "rz", t).chunk(2, 1)
+            n = self.name(torch.tanh(x_n + r * gh_n), "n", t)
+            self.save(t, r=r, z=z, n=n, gh_n=gh_n.expand(n.shape))
+            return self.name((1 - z) * n, "h", t)
         gh = torch.mm(h, w_hh_t) if self.b_hh is None else torch.addmm(self.b_hh, h, w_hh_t)
-        gh_rz, gh_n = gh.split([2 * hs, hs], 1)
-        r, z = torch.sigmoid(x_rz + gh_rz).chunk(2, 1)
-        n = torch.tanh(x_n + r * gh_n)
+        gh_rz, gh_n = self.name(gh, "gh", t).split([2 * hs, hs], 1)
+        r, z = self.name(torch.sigmoid(x_rz + gh_rz), "rz", t).chunk(2, 1)
+        n = self.name(torch.tanh(x_n + r * gh_n), "n", t)
         self.save(t, r=r, z=z, n=n, gh_n=gh_n)
-        return torch.lerp(n, h, z)  # (1 - z) * n + z * h
+        return self.name(torch.lerp(n, h, z), "h", t)  # (1 - z) * n + z * h
 
-    def _rnn_step(self, t: int, x_t: Any, h: Any, w_hh_t: Any) -> Any:
-        pre = torch.addmm(x_t, h, w_hh_t)
-        return torch.tanh(pre) if self.kind == "rnn_tanh" else torch.relu(pre)
+    def _rnn_step(self, t: int, x_t: Any, h: Any, w_hh_t: Any, zero: bool) -> Any:
+        pre = x_t if zero else torch.addmm(x_t, h, w_hh_t)
+        return self.name(torch.tanh(pre) if self.kind == "rnn_tanh" else torch.relu(pre), "h", t)
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, d_y: Any, d_hn: Any, d_cn: Any) -> dict[str, Any]:
-        """Cotangents of the input rows, ``h_0``/``c_0`` and the weights from those of the
-        outputs of all steps (``d_y``), ``h_n`` and ``c_n`` (each may be ``None``)."""
-        sizes, kind = self.sizes, self.kind
-        T = len(sizes)
-        d_ys = _rows(d_y, sizes) if d_y is not None else (None,) * T
-        step = {"lstm": self._lstm_factors, "gru": self._gru_factors}.get(
-            kind, self._rnn_factors)()
-        n = self.n_end
-        dh = None if d_hn is None else (d_hn if n == d_hn.shape[0] else d_hn[:n])
-        dc = None if d_cn is None else (d_cn if n == d_cn.shape[0] else d_cn[:n])
-        started: list[tuple[int, Any, Any]] = []  # cotangents of h_0 rows that joined later
+    def backward(self, d_y: Any, d_hn: Any, d_cn: Any, need_input: bool) -> dict[str, Any]:
+        """Cotangents of the input rows (``x``, if ``need_input``), ``h_0``/``c_0`` and the
+        weights, from those of the output rows (``d_y``), ``h_n`` and ``c_n`` (each may be
+        ``None``).  Returns a dict with keys ``x h0 c0 w_ih w_hh b_ih b_hh w_hr``."""
+        sizes, T = self.sizes, len(self.sizes)
+        d_rows = _rows(d_y, sizes) if d_y is not None else None
+        d_ys = [None if d_rows is None else self.name(d_rows[t], "d_y", t) for t in range(T)]
+        step = {"lstm": self._lstm_bwd, "gru": self._gru_bwd}.get(self.kind, self._rnn_bwd)()
+        self.incoming = (d_hn, d_cn)  # (not renamed: the engine's cotangents)
+        n = self.last_rows
+        dh = None if d_hn is None else (d_hn if n == self.batch else d_hn[:n])
+        dc = None if d_cn is None else (d_cn if n == self.batch else d_cn[:n])
+        started: list[tuple[int, Any, Any]] = []  # (first row, d_h0, d_c0) of later starts
+        folded = False  # d_ys[t] already added by the previous (later) step's matmul
         for k in range(T - 1, -1, -1):
             t = self.order[k]
             b = sizes[t]
-            dh, dc = step(t, d_ys[t], dh, dc)
             before = sizes[self.order[k - 1]] if k > 0 else b
-            if before > b:  # rows b..before ended at step k-1: their h_n / c_n cotangent
-                like = self.h_prev[t]
-                dh = _pad_rows(dh, None if d_hn is None else d_hn[b:before], b, before - b, like)
-                dc = _pad_rows(dc, None if d_cn is None else d_cn[b:before], b, before - b,
-                               like)
-            elif before < b:  # rows before..b started at step k, from h_0 / c_0
+            # the cotangent of the previous step's output joins d_h in this step's matmul
+            # (d_h_prev = d_y[t-1] + d_gates @ W_hh, one addmm) when its rows are the same
+            fold = d_ys[self.order[k - 1]] if k > 0 and before == b else None
+            dh, dc = step(t, None if folded else d_ys[t], dh, dc, fold)
+            folded = fold is not None
+            if before > b:  # sequences b..before ended at step k-1: add their h_n cotangent
+                dh = _join_rows([dh, None if d_hn is None else d_hn[b:before]], [0, b],
+                                before, self.h_size, self.like)
+                if self.c_size is not None:
+                    dc = _join_rows([dc, None if d_cn is None else d_cn[b:before]], [0, b],
+                                    before, self.c_size, self.like)
+            elif before < b:  # sequences before..b started at step k, from h_0 rows
                 started.append((before, None if dh is None else dh[before:b],
                                 None if dc is None else dc[before:b]))
                 dh = None if dh is None else dh[:before]
                 dc = None if dc is None else dc[:before]
-        out = self._weight_grads()
-        if started:
-            started.sort(key=lambda e: e[0])
-            rows = [self.entered] + [e[0] for e in started]
-            dh = self._join(dh, [e[1] for e in started], rows)
-            dc = self._join(dc, [e[2] for e in started], rows)
-        out["h0"], out["c0"] = dh, dc
+        started.sort(key=lambda e: e[0])
+        starts = [0] + [e[0] for e in started]
+        out = self._weight_grads(need_input)
+        out["h0"] = _join_rows([dh] + [e[1] for e in started], starts, self.batch,
+                               self.h_size, self.like)
+        out["c0"] = None if self.c_size is None else _join_rows(
+            [dc] + [e[2] for e in started], starts, self.batch, self.c_size, self.like)
         return out
 
-    def _join(self, first: Any, pieces: list, starts: list[int]) -> Any:
-        if first is None and all(p is None for p in pieces):
-            return None
-        like = self.h_prev[self.order[-1]]
-        ends = starts[1:] + [like.shape[0]]
-        parts = [p if p is not None else _zeros_rows(e - s, like)
-                 for p, s, e in zip([first] + pieces, starts, ends)]
-        return torch.cat(parts)
+    def cot_h(self, d_y: Any, dh: Any, t: int) -> Any:
+        """The cotangent of ``h`` at step ``t``: that of the step's output plus the one
+        carried from step ``t + 1``, named ``d_h_t<t>``."""
+        dh = _add(d_y, dh)
+        if dh is not None and all(dh is not v for v in self.incoming):
+            self.name(dh, "d_h", t)
+        return dh
 
-    def _gate_grads(self, t: int, d: Any) -> None:
-        self.d_gates[t] = d
-
-    def _weight_grads(self) -> dict[str, Any]:
-        """Weight and bias cotangents of all steps at once, and the cotangent of the input
-        projection ``d_proj`` (rows of all steps)."""
-        T = len(self.sizes)
-        for t in range(T):  # steps no cotangent reached
-            if self.d_gates.get(t) is None:
-                self.d_gates[t] = torch.zeros_like(self.gate_like[t])
-        d_gh = self.all_steps("", self.d_gates)  # cotangent of h @ W_hh^T (+ b_hh)
-        h_prev = self.all_steps("", self.h_prev)
+    def _weight_grads(self, need_input: bool) -> dict[str, Any]:
+        """Weight and bias cotangents of all steps at once (one matmul each), and that of
+        the input rows."""
+        gates = self.w_hh.shape[0]
+        d_gh = self.cat_steps(self.d_gates, gates)  # cotangent of h @ W_hh^T (+ b_hh)
+        if len(self.sizes) > 1 and self.prefix is not None:
+            d_gh.node._rename(f"{self.prefix}{'d_gh' if self.kind == 'gru' else 'd_gates'}_all")
+        h_prev = self.all_steps("h_prev")
         out: dict[str, Any] = {"w_hh": torch.mm(d_gh.t(), h_prev)}
-        if self.kind == "gru":
-            hs = h_prev.shape[1] if self.w_hr is None else self.w_hh.shape[1]
-            d_n = self.all_steps("", self.d_n)
-            out["proj"] = torch.cat([d_gh[:, :2 * hs], d_n], 1)
-            out["b_hh"] = d_gh.sum(0) if self.b_hh is not None else None
+        if self.kind == "gru":  # the input gates differ from the hidden ones in n only
+            hs = self.h_size
+            d_proj = torch.cat([d_gh[:, :2 * hs], self.cat_steps(self.d_n, hs)], 1)
+            out["b_hh"] = None if self.b_hh is None else d_gh.sum(0)
         else:
-            out["proj"] = d_gh
-            out["b_hh"] = torch.clone(d_gh.sum(0)) if self.b_hh is not None else None
+            d_proj = d_gh
+            # (its own tensor: the same values as d_b_ih)
+            out["b_hh"] = None if self.b_hh is None else torch.clone(d_gh.sum(0))
+        out["w_ih"] = torch.mm(d_proj.t(), self.x)
+        out["b_ih"] = None if self.b_ih is None else d_proj.sum(0)
+        out["x"] = torch.mm(d_proj, self.w_ih) if need_input else None
+        out["w_hr"] = None
         if self.w_hr is not None:
-            d_h = self.all_steps("", self.d_h)
+            d_h = self.cat_steps(self.d_h, self.h_size)
             m = self.all_steps("o") * torch.tanh(self.all_steps("c"))
             out["w_hr"] = torch.mm(d_h.t(), m)
         return out
 
-    def _lstm_factors(self) -> Any:
-        i, f, g, o = (self.all_steps(k) for k in "ifgo")
-        c = self.all_steps("c")
-        c_prev = self.all_steps("", self.c_prev)
+    def _lstm_bwd(self) -> Any:
+        i, f, g, o, c, c_prev = (self.all_steps(k) for k in ("i", "f", "g", "o", "c",
+                                                               "c_prev"))
         tc = torch.tanh(c)
         sizes = self.sizes
-        dc_dh = _rows(o * (1 - tc * tc), sizes)  # d_c += d_h * o * tanh'(c)
-        # d(gate pre-activations) = [d_c, d_c, d_c, d_h] * factor
-        factor = _rows(torch.cat([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g),
-                                  tc * o * (1 - o)], 1), sizes)
-        forget = self.saved["f"]
-        self.d_gates, self.d_h, self.gate_like = {}, {}, factor
+        dc_dh = _rows(self.name(_tanh_grad(o, tc), "dc_dh", -1), sizes)  # d_c += d_h * this
+        # d(gate pre-activations i, f, g, o) = [d_c, d_c, d_c, d_h] * factor
+        factor = _rows(self.name(torch.cat([_sigmoid_grad(g, i), _sigmoid_grad(c_prev, f),
+                                            _tanh_grad(i, g), _sigmoid_grad(tc, o)], 1),
+                                 "gate_factor", -1), sizes)
+        forget = _rows(f, sizes)
+        self.d_gates, self.d_h = {}, {}
         w_hh, w_hr = self.w_hh, self.w_hr
 
-        def step(t: int, d_y: Any, dh: Any, dc: Any) -> tuple[Any, Any]:
-            dh = _add(d_y, dh)
+        def step(t: int, d_y: Any, dh: Any, dc: Any, fold: Any) -> tuple[Any, Any]:
+            dh = self.cot_h(d_y, dh, t)
             if w_hr is not None:
-                self.d_h[t] = dh if dh is not None else torch.zeros_like(self.h_prev[t][:, :0]
-                                                                         ).new_zeros(())
+                self.d_h[t] = dh
                 dh = None if dh is None else torch.mm(dh, w_hr)
             if dh is None and dc is None:
-                return None, None
-            dc = torch.addcmul(dc, dh, dc_dh[t]) if dc is not None and dh is not None \
-                else (dc if dh is None else dh * dc_dh[t])
-            dm = dh if dh is not None else torch.zeros_like(dc)
-            d_gates = torch.cat([dc, dc, dc, dm], 1) * factor[t]
+                return fold, None
+            if dh is None:
+                dh = torch.zeros_like(dc)
+            dc = dh * dc_dh[t] if dc is None else torch.addcmul(dc, dh, dc_dh[t])
+            self.name(dc, "d_c", t)
+            d_gates = self.name(torch.cat([dc, dc, dc, dh], 1) * factor[t], "d_gates", t)
             self.d_gates[t] = d_gates
-            return torch.mm(d_gates, w_hh), dc * forget[t]
+            return _mm_add(fold, d_gates, w_hh), dc * forget[t]
 
         return step
 
-    def _gru_factors(self) -> Any:
-        r, z, n, gh_n = (self.all_steps(k) for k in ("r", "z", "n", "gh_n"))
-        h_prev = self.all_steps("", self.h_prev)
+    def _gru_bwd(self) -> Any:
+        r, z, n, gh_n, h_prev = (self.all_steps(k) for k in ("r", "z", "n", "gh_n",
+                                                              "h_prev"))
         sizes = self.sizes
-        d_n = (1 - z) * (1 - n * n)  # d(n pre-activation) = d_h * d_n
-        d_r = d_n * gh_n * r * (1 - r)
-        d_z = (h_prev - n) * z * (1 - z)
-        factor = _rows(torch.cat([d_r, d_z, d_n * r], 1), sizes)  # d(h @ W_hh^T + b_hh)
-        d_n_t = _rows(d_n, sizes)
-        update = self.saved["z"]
-        self.d_gates, self.d_n, self.gate_like = {}, {}, factor
+        d_n = _tanh_grad(1 - z, n)  # d(n pre-activation) = d_h * d_n
+        d_r = _sigmoid_grad(d_n * gh_n, r)
+        d_z = _sigmoid_grad(h_prev - n, z)
+        # d(h @ W_hh^T + b_hh) = [d_h, d_h, d_h] * factor (r, z, and n's gh_n = r * ...)
+        factor = _rows(self.name(torch.cat([d_r, d_z, d_n * r], 1), "gate_factor", -1), sizes)
+        d_n_t = _rows(self.name(d_n, "dn_dh", -1), sizes)
+        update = _rows(z, sizes)
+        self.d_gates, self.d_n = {}, {}
         w_hh = self.w_hh
 
-        def step(t: int, d_y: Any, dh: Any, dc: Any) -> tuple[Any, Any]:
-            dh = _add(d_y, dh)
+        def step(t: int, d_y: Any, dh: Any, dc: Any, fold: Any) -> tuple[Any, Any]:
+            dh = self.cot_h(d_y, dh, t)
             if dh is None:
-                self.d_n[t] = torch.zeros_like(d_n_t[t])
-                return None, None
-            d_gh = torch.cat([dh, dh, dh], 1) * factor[t]
+                return fold, None
+            d_gh = self.name(torch.cat([dh, dh, dh], 1) * factor[t], "d_gh", t)
             self.d_gates[t] = d_gh
             self.d_n[t] = dh * d_n_t[t]
-            return torch.addmm(dh * update[t], d_gh, w_hh), None
+            direct = dh * update[t] if fold is None else torch.addcmul(fold, dh, update[t])
+            return torch.addmm(direct, d_gh, w_hh), None  # z * d_h + d_gh @ W_hh
 
         return step
 
-    def _rnn_factors(self) -> Any:
-        h = self.all_steps("", self.outputs)
-        deriv = 1 - h * h if self.kind == "rnn_tanh" else (h > 0).to(h.dtype)
-        factor = _rows(deriv, self.sizes)
-        self.d_gates, self.gate_like = {}, factor
+    def _rnn_bwd(self) -> Any:
+        h = self.all_steps("h")
+        factor = _rows(self.name(_tanh_grad(1, h) if self.kind == "rnn_tanh"
+                                 else (h > 0).to(h.dtype), "dpre_dh", -1), self.sizes)
+        self.d_gates = {}
         w_hh = self.w_hh
 
-        def step(t: int, d_y: Any, dh: Any, dc: Any) -> tuple[Any, Any]:
-            dh = _add(d_y, dh)
+        def step(t: int, d_y: Any, dh: Any, dc: Any, fold: Any) -> tuple[Any, Any]:
+            dh = self.cot_h(d_y, dh, t)
             if dh is None:
-                return None, None
-            d_pre = dh * factor[t]
+                return fold, None
+            d_pre = self.name(dh * factor[t], "d_pre", t)
             self.d_gates[t] = d_pre
-            return torch.mm(d_pre, w_hh), None
+            return _mm_add(fold, d_pre, w_hh), None
 
         return step
 
 
 # ---------------------------------------------------------------------------------------------
-# The layer stack (torch.lstm / gru / rnn_tanh / rnn_relu)
+# oneDNN's LSTM layer (fused level "all": code built to run)
+# ---------------------------------------------------------------------------------------------
+
+_ONEDNN_LSTM = 2  # ideep::rnn_kind::LSTM, the ``mode`` of aten.mkldnn_rnn_layer
+
+
+def onednn_lstm_layer(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+                      b_ih: torch.Tensor, b_hh: torch.Tensor, hx: torch.Tensor,
+                      cx: torch.Tensor, reverse: bool, has_biases: bool,
+                      train: bool) -> tuple:
+    """One direction of one LSTM layer by oneDNN, as eager ``nn.LSTM`` runs it on the CPU:
+    ``torch.ops.aten.mkldnn_rnn_layer`` on a time-major ``(T, B, F)`` input, returning
+    ``(output, h_n, c_n, workspace)``.  The kernel keeps the workspace its backward reads
+    only while gradients are enabled, so it runs with gradients enabled, on detached
+    tensors (no autograd graph is recorded): the generated code runs under
+    ``torch.no_grad()``.  The kernel reads its tensors as contiguous memory, as eager's
+    caller makes them."""
+    d = [t.detach().contiguous() for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx)]
+    with torch.enable_grad():
+        return torch.ops.aten.mkldnn_rnn_layer(*d, reverse, [], _ONEDNN_LSTM, hx.shape[1], 1,
+                                               has_biases, False, False, train)
+
+
+def onednn_lstm_layer_backward(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+                               b_ih: torch.Tensor, b_hh: torch.Tensor, hx: torch.Tensor,
+                               cx: torch.Tensor, output: torch.Tensor, hy: torch.Tensor,
+                               cy: torch.Tensor, d_output: Any, d_hy: Any, d_cy: Any,
+                               reverse: bool, has_biases: bool, train: bool,
+                               workspace: torch.Tensor) -> tuple:
+    """The backward of :func:`onednn_lstm_layer`: ``torch.ops.aten.mkldnn_rnn_layer_backward``
+    (what autograd runs for eager ``nn.LSTM`` on the CPU), returning ``(d_input, d_w_ih,
+    d_w_hh, d_b_ih, d_b_hh, d_hx, d_cx)``; ``None`` cotangents are zeros."""
+    t = [v.contiguous() for v in (input, w_ih, w_hh, b_ih, b_hh, hx, cx)]
+    return torch.ops.aten.mkldnn_rnn_layer_backward(
+        *t, output, hy, cy, d_output, d_hy, d_cy, reverse, _ONEDNN_LSTM, hx.shape[1], 1,
+        has_biases, train, False, [], False, workspace)
+
+
+def _register_builtins() -> None:
+    """Generated code names the two functions ``fxad_onednn_lstm_layer[_backward]`` and
+    imports them from here (``GraphModule.to_folder`` code runs in a fresh interpreter)."""
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - other torch versions
+        return
+    for fn in (onednn_lstm_layer, onednn_lstm_layer_backward):
+        _register_custom_builtin(f"fxad_{fn.__name__}",
+                                 f"from {__name__} import {fn.__name__} as fxad_{fn.__name__}",
+                                 fn)
+
+
+_register_builtins()
+
+
+def _use_onednn(kind: str, packed: bool, weights: list, x: Any, hx: Any) -> bool:
+    """oneDNN's fused LSTM layer and its backward where eager PyTorch uses them (ATen
+    ``use_mkldnn``: a float32 CPU LSTM without projections on a padded batch, oneDNN
+    enabled), in code built to run (fused kernels at level ``"all"``: ``fxad.compile``,
+    ``fxad.joint_step``); the code ``fxad.vjp`` shows is the loop written out."""
+    if kind != "lstm" or packed or not fused.enabled("all"):
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+        return False
+    if any(w[4] is not None for w in weights):
+        return False
+    vals = [value_of(t) for t in (x, hx[0], hx[1])]
+    vals += [value_of(w) for ws in weights for w in ws if w is not None]
+    return all(isinstance(v, torch.Tensor) and v.device.type == "cpu"
+               and v.dtype == torch.float32 for v in vals) and vals[0].numel() > 0
+
+
+class _OneDNNDirection:
+    """One layer-direction of an LSTM by oneDNN's kernels, with :class:`_Direction`'s
+    interface: input rows ``(T*B, F)`` (viewed as ``(T, B, F)``), output rows."""
+
+    def __init__(self, weights: tuple, steps: int, train: bool, reverse: bool) -> None:
+        self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.w_hr = weights
+        self.steps, self.train, self.reverse = steps, train, reverse
+        self.has_biases = self.b_ih is not None
+
+    def forward(self, x: Any, h0: Any, c0: Any) -> tuple[Any, Any, Any]:
+        T = self.steps
+        B, H = h0.shape[0], h0.shape[1]
+        self.batch, self.h_size, self.c_size, self.like = B, H, c0.shape[1], h0
+        self.x = torch.reshape(x, (T, B, x.shape[1]))
+        # without biases the kernel ignores these two slots (eager passes zeros there)
+        b_ih = self.b_ih if self.has_biases else self.w_ih
+        b_hh = self.b_hh if self.has_biases else self.w_hh
+        self.b = (b_ih, b_hh)
+        self.h0, self.c0 = h0, c0
+        res = _emit(onednn_lstm_layer, self.x, self.w_ih, self.w_hh, b_ih, b_hh, h0, c0,
+                    self.reverse, self.has_biases, self.train)
+        self.y, self.h_n, self.c_n, self.workspace = res[0], res[1], res[2], res[3]
+        return torch.reshape(self.y, (T * B, H)), self.h_n, self.c_n
+
+    def backward(self, d_y: Any, d_hn: Any, d_cn: Any, need_input: bool) -> dict[str, Any]:
+        T, B, H = self.steps, self.batch, self.h_size
+        d_y3 = None if d_y is None else torch.reshape(d_y, (T, B, H))
+        res = _emit(onednn_lstm_layer_backward, self.x, self.w_ih, self.w_hh, self.b[0],
+                    self.b[1], self.h0, self.c0, self.y, self.h_n, self.c_n, d_y3, d_hn, d_cn,
+                    self.reverse, self.has_biases, self.train, self.workspace)
+        d_x, d_w_ih, d_w_hh, d_b, d_b2, d_h0, d_c0 = (res[k] for k in range(7))
+        return {"x": torch.reshape(d_x, (T * B, d_x.shape[2])) if need_input else None,
+                "w_ih": d_w_ih, "w_hh": d_w_hh, "b_ih": d_b if self.has_biases else None,
+                "b_hh": d_b2 if self.has_biases else None, "w_hr": None, "h0": d_h0,
+                "c0": d_c0}
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer stack: torch.lstm / gru / rnn_tanh / rnn_relu
 # ---------------------------------------------------------------------------------------------
 
 def _split_weights(kind: str, params: list, has_biases: bool, num_layers: int,
-                   bidirectional: bool) -> list[tuple]:
+                   dirs: int) -> list[tuple]:
     """``(w_ih, w_hh, b_ih, b_hh, w_hr)`` per layer-direction, from the flat list in
     ``nn.RNNBase._flat_weights`` order."""
-    dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
     base = 4 if has_biases else 2
     if per not in (base, base + 1) or per * num_layers * dirs != len(params) \
@@ -404,151 +721,433 @@ def _split_weights(kind: str, params: list, has_biases: bool, num_layers: int,
 
 def _dropout_mask(y: Any, p: float) -> Any:
     """ATen's CPU ``dropout`` between layers: ``empty_like(y).bernoulli_(1 - p) / (1 - p)``
-    (the same random stream as eager PyTorch)."""
+    (the same draws as eager PyTorch for the same seed)."""
     if p >= 1.0:
         return torch.zeros_like(y)
     return torch.empty_like(y).bernoulli_(1.0 - p) / (1.0 - p)
 
 
-class _Stack:
-    """Normalized arguments of a layer-stack call (both overloads)."""
+def _stack_args(kind: str, args: tuple, like: tuple | None = None) -> dict[str, Any]:
+    """The arguments of either overload by name (``batch_sizes`` is None when padded).
+    ``like``: the primal arguments, when ``args`` are their tangents (the overload is read
+    from the primals)."""
+    ref = args if like is None else like
+    if _is_packed(ref[1]):
+        names = ("input", "batch_sizes", "hx", "params", "has_biases", "num_layers",
+                 "dropout", "train", "bidirectional")
+        a = dict(zip(names, args))
+        a["batch_first"] = False
+        if like is None:
+            a["sizes"] = _constant_ints(a["batch_sizes"], _OPS[kind])
+    else:
+        names = ("input", "hx", "params", "has_biases", "num_layers", "dropout", "train",
+                 "bidirectional", "batch_first")
+        a = dict(zip(names, args))
+        a["batch_sizes"] = None
+    return a
 
-    def __init__(self, kind: str, args: tuple) -> None:
-        self.kind = kind
-        self.packed = _is_packed(args[1])
-        if self.packed:
-            (self.input, batch_sizes, self.hx, self.params, self.has_biases, self.num_layers,
-             self.dropout, self.train, self.bidirectional) = args[:9]
-            self.batch_first = False
-            self.sizes = _constant_ints(batch_sizes, _OPS[kind])
-        else:
-            (self.input, self.hx, self.params, self.has_biases, self.num_layers,
-             self.dropout, self.train, self.bidirectional, self.batch_first) = args[:9]
-        self.params = list(self.params)
 
-
-def _stack_fwd(kind: str, args: tuple) -> tuple[Any, Any]:
-    s = _Stack(kind, args)
-    dirs = 2 if s.bidirectional else 1
-    weights = _split_weights(kind, s.params, s.has_biases, s.num_layers, s.bidirectional)
-    x = s.input
-    if s.packed:
-        sizes = s.sizes
-        rows = x
+def _stack_fwd(kind: str, args: tuple, tangents: tuple | None = None) -> tuple[Any, Any]:
+    """The forward of a layer stack: ``(value, aux)``; forward mode (``tangents`` aligned
+    with ``args``, see :func:`_stack_args`): ``(value, tangent)``."""
+    a = _stack_args(kind, args)
+    ta = None if tangents is None else _stack_args(kind, tangents, like=args)
+    packed = a["batch_sizes"] is not None
+    num_layers, dirs = int(a["num_layers"]), 2 if a["bidirectional"] else 1
+    weights = _split_weights(kind, list(a["params"]), a["has_biases"], num_layers, dirs)
+    x = a["input"]
+    tx = None if ta is None else ta["input"]
+    if packed:
+        sizes, rows = a["sizes"], x
     else:
         if x.dim() != 3:
             raise _error(_OPS[kind], f"expected a 3-D input, got {x.dim()}-D",
-                         "call it through nn.RNN / nn.LSTM / nn.GRU (which batch an "
-                         "unbatched input)")
-        if s.batch_first:
+                         "call it through nn.RNN / nn.LSTM / nn.GRU (they batch an unbatched "
+                         "input)")
+        if a["batch_first"]:
             x = x.transpose(0, 1)
+            tx = None if tx is None else tx.transpose(0, 1)
         T, B = x.shape[0], x.shape[1]
-        sizes = [B] * T
-        rows = torch.reshape(x, (T * B, x.shape[2]))
+        sizes, rows = [B] * T, torch.reshape(x, (T * B, x.shape[2]))
+        rows.node._rename(f"{kind}_input")  # the rows of all steps, time-major
+        tx = None if tx is None else torch.reshape(tx, (T * B, x.shape[2]))
+    n_dirs = num_layers * dirs
+    none = (None,) * n_dirs
     if kind == "lstm":
-        h0s, c0s = s.hx[0].unbind(0), s.hx[1].unbind(0)
+        h0s, c0s = a["hx"][0].unbind(0), a["hx"][1].unbind(0)
+        zero = _is_zeros(a["hx"][0]) and _is_zeros(a["hx"][1])
+        t_hx = (None, None) if ta is None or ta["hx"] is None else ta["hx"]
+        t_h0s = none if t_hx[0] is None else t_hx[0].unbind(0)
+        t_c0s = none if t_hx[1] is None else t_hx[1].unbind(0)
     else:
-        h0s, c0s = s.hx.unbind(0), [None] * (s.num_layers * dirs)
-    layers, masks, h_n, c_n = [], [], [], []
-    p = float(s.dropout)
-    for layer in range(s.num_layers):
-        if layer > 0 and s.train and p > 0:
+        h0s, c0s = a["hx"].unbind(0), none
+        zero = _is_zeros(a["hx"])
+        t_h0s = none if ta is None or ta["hx"] is None else ta["hx"].unbind(0)
+        t_c0s = none
+    t_weights = [(None,) * 5] * n_dirs
+    if ta is not None and ta["params"] is not None:
+        t_weights = _split_weights(kind, list(ta["params"]), a["has_biases"], num_layers, dirs)
+    p, train = float(a["dropout"]), bool(a["train"])
+    onednn = ta is None and _use_onednn(kind, packed, weights, x, a["hx"])
+    layers, masks, h_n, c_n, t_hn, t_cn = [], [], [], [], [], []
+    for layer in range(num_layers):
+        mask = None
+        if layer > 0 and train and p > 0:  # dropout on the previous layer's output
             mask = _dropout_mask(rows, p)
             rows = rows * mask
-            masks.append(mask)
-        else:
-            masks.append(None)
-        outs, ds = [], []
+            tx = None if tx is None else tx * mask
+        masks.append(mask)
+        outs, drs, t_outs = [], [], []
         for d in range(dirs):
             k = layer * dirs + d
-            dr = _Direction(kind, weights[k], sizes, reverse=d == 1)
-            y, h, c = dr.forward(rows, h0s[k], c0s[k])
+            if onednn:
+                dr: Any = _OneDNNDirection(weights[k], len(sizes), train, d == 1)
+                y, h, c = dr.forward(rows, h0s[k], c0s[k])
+            else:
+                prefix = (f"l{layer}_" if layer else "") + ("rev_" if d else "")
+                dr = _Direction(kind, weights[k], sizes, reverse=d == 1, prefix=prefix)
+                if ta is None:
+                    y, h, c = dr.forward(rows, h0s[k], c0s[k], zero)
+                else:
+                    y, h, c, t_y, t_h, t_c = dr.forward(
+                        rows, h0s[k], c0s[k], zero, (tx, t_h0s[k], t_c0s[k], t_weights[k]))
+                    t_outs.append(t_y)
+                    t_hn.append(t_h)
+                    t_cn.append(t_c)
             outs.append(y)
-            ds.append(dr)
+            drs.append(dr)
             h_n.append(h)
             c_n.append(c)
-        layers.append(ds)
+        layers.append(drs)
         rows = outs[0] if dirs == 1 else torch.cat(outs, 1)
+        if ta is not None:
+            tx = _join_cols(t_outs, [dr.h_size for dr in drs], rows)
     out = rows
-    if not s.packed:
+    if not packed:
         out = torch.reshape(rows, (len(sizes), sizes[0], rows.shape[1]))
-        if s.batch_first:
+        tx = None if tx is None else torch.reshape(tx, (len(sizes), sizes[0], rows.shape[1]))
+        if a["batch_first"]:
             out = out.transpose(0, 1)
-    h_n_all = torch.stack(h_n)
-    value = (out, h_n_all, torch.stack(c_n)) if kind == "lstm" else (out, h_n_all)
-    aux = (s.packed, s.batch_first, sizes, layers, masks, dirs)
-    return value, aux
+            tx = None if tx is None else tx.transpose(0, 1)
+    value = (out, torch.stack(h_n)) + ((torch.stack(c_n),) if kind == "lstm" else ())
+    if ta is None:
+        return value, (packed, bool(a["batch_first"]), sizes, layers, masks)
+    drs_all = [dr for drs in layers for dr in drs]
+    t_value = (tx, _stack_states(t_hn, [(dr.batch, dr.h_size, dr.like) for dr in drs_all]))
+    if kind == "lstm":
+        t_value += (_stack_states(t_cn, [(dr.batch, dr.c_size, dr.like) for dr in drs_all]),)
+    return value, t_value
+
+
+def _join_cols(parts: list, widths: list[int], like: Any) -> Any:
+    """``cat(parts, 1)`` with ``None`` parts as zeros; ``None`` if all are."""
+    if all(p is None for p in parts):
+        return None
+    full = [p if p is not None else _zeros(like.shape[0], w, like) for p, w in zip(parts, widths)]
+    return full[0] if len(full) == 1 else torch.cat(full, 1)
+
+
+def _stack_states(parts: list, shapes: list[tuple]) -> Any:
+    """``stack(parts)`` with ``None`` parts as zeros of ``(rows, cols)``; ``None`` if all
+    are."""
+    if all(p is None for p in parts):
+        return None
+    return torch.stack([p if p is not None else _zeros(r, c, like)
+                        for p, (r, c, like) in zip(parts, shapes)])
 
 
 def _stack_bwd(kind: str, aux: Any, d: Any) -> tuple:
-    packed, batch_first, sizes, layers, masks, dirs = aux
+    packed, batch_first, sizes, layers, masks = aux
     d_out, d_hn = d[0], d[1]
     d_cn = d[2] if kind == "lstm" else None
     if d_out is not None and not packed:
         if batch_first:
             d_out = d_out.transpose(0, 1)
-        d_out = torch.reshape(d_out, (-1, d_out.shape[2]))
-    d_hns = d_hn.unbind(0) if d_hn is not None else None
-    d_cns = d_cn.unbind(0) if d_cn is not None else None
-    n_dirs = len(layers) * dirs
-    d_h0: list[Any] = [None] * n_dirs
-    d_c0: list[Any] = [None] * n_dirs
-    d_w: list[list[Any]] = [[None] * 5 for _ in range(n_dirs)]
-    idx_input = 0
+        d_out = torch.reshape(d_out, (len(sizes) * sizes[0], d_out.shape[2]))
+    drs = [dr for drs in layers for dr in drs]
+    d_hns = (None,) * len(drs) if d_hn is None else d_hn.unbind(0)
+    d_cns = (None,) * len(drs) if d_cn is None else d_cn.unbind(0)
+    grads: list[dict[str, Any]] = [{} for _ in drs]
+    dirs = len(layers[0])
     for layer in range(len(layers) - 1, -1, -1):
-        ds = layers[layer]
         d_rows = None
-        for dd, dr in enumerate(ds):
-            k = layer * dirs + dd
+        for j, dr in enumerate(layers[layer]):
+            k = layer * dirs + j
             dy = d_out
             if d_out is not None and dirs > 1:
                 width = d_out.shape[1] // dirs
-                dy = d_out[:, dd * width:(dd + 1) * width]
-            g = dr.backward(dy, None if d_hns is None else d_hns[k],
-                            None if d_cns is None else d_cns[k])
-            d_h0[k], d_c0[k] = g["h0"], g["c0"]
-            d_proj = g["proj"]
-            d_w[k] = [torch.mm(d_proj.t(), dr.x), g["w_hh"],
-                      d_proj.sum(0) if dr.b_ih is not None else None, g["b_hh"],
-                      g.get("w_hr")]
-            if layer > 0 or needs_cotangent("input"):
-                dx = torch.mm(d_proj, dr.w_ih)
-                d_rows = dx if d_rows is None else d_rows + dx
+                dy = d_out[:, j * width:(j + 1) * width]
+            g = dr.backward(dy, d_hns[k], d_cns[k],
+                            need_input=layer > 0 or needs_cotangent("input"))
+            grads[k] = g
+            d_rows = _add(d_rows, g["x"])
         if masks[layer] is not None and d_rows is not None:
             d_rows = d_rows * masks[layer]
         d_out = d_rows
     d_input = d_out
     if d_input is not None and not packed:
-        T, B = len(sizes), sizes[0]
-        d_input = torch.reshape(d_input, (T, B, d_input.shape[1]))
+        d_input = torch.reshape(d_input, (len(sizes), sizes[0], d_input.shape[1]))
         if batch_first:
             d_input = d_input.transpose(0, 1)
-    # flat weight cotangents, in params order
-    ref = layers[0][0]
-    has_b, has_r = ref.b_ih is not None, ref.w_hr is not None
-    d_params: list[Any] = []
-    for k in range(n_dirs):
-        w_ih, w_hh, b_ih, b_hh, w_hr = d_w[k]
-        d_params += [w_ih, w_hh] + ([b_ih, b_hh] if has_b else []) + ([w_hr] if has_r else [])
+    has_b, has_r = drs[0].b_ih is not None, drs[0].w_hr is not None
+    names = ["w_ih", "w_hh"] + (["b_ih", "b_hh"] if has_b else []) + (["w_hr"] if has_r else [])
+    d_params = [g[n] for g in grads for n in names]
 
-    def hidden(ds: list) -> Any:
-        if all(v is None for v in ds):
+    def stacked(key: str, cols: Any) -> Any:
+        parts = [g[key] for g in grads]
+        if all(v is None for v in parts):
             return None
-        like = [dr for ls in layers for dr in ls]
-        parts = [v if v is not None else torch.zeros_like(dr.h_prev[dr.order[0]][:0]).new_zeros(
-            (sizes[0], dr.hidden)) for v, dr in zip(ds, like)]
-        return torch.stack(parts)
+        return torch.stack([v if v is not None else _zeros(dr.batch, cols(dr), dr.like)
+                            for v, dr in zip(parts, drs)])
 
-    d_hx: Any = (hidden(d_h0), _stack_c(d_c0, layers)) if kind == "lstm" else hidden(d_h0)
+    d_h0 = stacked("h0", lambda dr: dr.h_size)
+    d_hx: Any = (d_h0, stacked("c0", lambda dr: dr.c_size)) if kind == "lstm" else d_h0
     if packed:
         return (d_input, None, d_hx, d_params)
     return (d_input, d_hx, d_params)
 
 
-def _stack_c(d_c0: list, layers: list) -> Any:
-    if all(v is None for v in d_c0):
-        return None
-    drs = [dr for ls in layers for dr in ls]
-    parts = [v if v is not None else torch.zeros_like(dr.c_prev[dr.order[0]]).new_zeros(
-        (dr.h_prev[dr.order[0]].shape[0], dr.w_hh.shape[1])) for v, dr in zip(d_c0, drs)]
-    return torch.stack(parts)
+def _stack_samples(kind: str, dtype: torch.dtype) -> Any:
+    """Small configurations of every layout: (T, B, F) = (3, 2, 3), hidden 4."""
+    g = _GATES[kind]
+    T, B, Fi, H = 3, 2, 3, 4
+    for layers, bidir, batch_first, bias in ((1, False, False, True), (2, True, True, True),
+                                             (1, True, False, False)):
+        dirs = 2 if bidir else 1
+        params = []
+        for layer in range(layers):
+            fin = Fi if layer == 0 else H * dirs
+            for _ in range(dirs):
+                params += [randn(g * H, fin, dtype=dtype) * 0.5,
+                           randn(g * H, H, dtype=dtype) * 0.5]
+                if bias:
+                    params += [randn(g * H, dtype=dtype) * 0.5, randn(g * H, dtype=dtype) * 0.5]
+        x = randn(B, T, Fi, dtype=dtype) if batch_first else randn(T, B, Fi, dtype=dtype)
+        h0 = randn(layers * dirs, B, H, dtype=dtype) * 0.5
+        hx: Any = (h0, randn(layers * dirs, B, H, dtype=dtype) * 0.5) if kind == "lstm" else h0
+        yield (x, hx, params, bias, layers, 0.0, False, bidir, batch_first), {}
+
+
+@builtin(torch.lstm)
+class LSTM:
+    """nn.LSTM's ``torch.lstm`` (padded and packed overloads), written out as code: one
+    matmul for the input projection of all steps, then per step
+    ``gates = x_proj[t] + h @ W_hh^T; i, f, g, o = gates.chunk(4, 1)``,
+    ``c = sigmoid(f) * c + sigmoid(i) * tanh(g)``, ``h = sigmoid(o) * tanh(c)`` (``@ W_hr^T``
+    with proj_size); the backward is backpropagation through time, the weight gradients one
+    matmul over all steps (ATen RNN.cpp ``LSTMCell`` / derivatives.yaml via its ops)."""
+
+    recompute = False
+
+    def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first):
+        return _stack_fwd("lstm", (input, hx, params, has_biases, num_layers, dropout, train,
+                                   bidirectional, batch_first))
+
+    def bwd(aux, d):
+        return _stack_bwd("lstm", aux, d)
+
+    def jvp(primals, tangents):
+        return _stack_fwd("lstm", tuple(primals), tuple(tangents))
+
+    def samples(dtype):
+        yield from _stack_samples("lstm", dtype)
+
+
+@builtin(torch.gru)
+class GRU:
+    """nn.GRU's ``torch.gru`` (padded and packed overloads), written out as code: per step
+    ``gh = h @ W_hh^T + b_hh``, ``r, z = sigmoid(x_rz[t] + gh_rz)``,
+    ``n = tanh(x_n[t] + r * gh_n)`` (b_hn inside the reset product, as PyTorch),
+    ``h = (1 - z) * n + z * h``; backward through time, weight gradients one matmul over all
+    steps (ATen RNN.cpp ``GRUCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first):
+        return _stack_fwd("gru", (input, hx, params, has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first))
+
+    def bwd(aux, d):
+        return _stack_bwd("gru", aux, d)
+
+    def jvp(primals, tangents):
+        return _stack_fwd("gru", tuple(primals), tuple(tangents))
+
+    def samples(dtype):
+        yield from _stack_samples("gru", dtype)
+
+
+@builtin(torch.rnn_tanh)
+class RNNTanh:
+    """nn.RNN's ``torch.rnn_tanh`` (padded and packed overloads): per step
+    ``h = tanh(x_proj[t] + h @ W_hh^T)``; backward through time with
+    ``tanh' = 1 - h^2``, weight gradients one matmul over all steps (ATen RNN.cpp
+    ``SimpleCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first):
+        return _stack_fwd("rnn_tanh", (input, hx, params, has_biases, num_layers, dropout,
+                                       train, bidirectional, batch_first))
+
+    def bwd(aux, d):
+        return _stack_bwd("rnn_tanh", aux, d)
+
+    def jvp(primals, tangents):
+        return _stack_fwd("rnn_tanh", tuple(primals), tuple(tangents))
+
+    def samples(dtype):
+        yield from _stack_samples("rnn_tanh", dtype)
+
+
+@builtin(torch.rnn_relu)
+class RNNRelu:
+    """nn.RNN(nonlinearity='relu')'s ``torch.rnn_relu`` (padded and packed overloads): per
+    step ``h = relu(x_proj[t] + h @ W_hh^T)``; backward through time with
+    ``relu' = (h > 0)`` (ATen RNN.cpp ``SimpleCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first):
+        return _stack_fwd("rnn_relu", (input, hx, params, has_biases, num_layers, dropout,
+                                       train, bidirectional, batch_first))
+
+    def bwd(aux, d):
+        return _stack_bwd("rnn_relu", aux, d)
+
+    def jvp(primals, tangents):
+        return _stack_fwd("rnn_relu", tuple(primals), tuple(tangents))
+
+    def samples(dtype):
+        yield from _stack_samples("rnn_relu", dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells: one step
+# ---------------------------------------------------------------------------------------------
+
+def _cell_fwd(kind: str, input: Any, hx: Any, w_ih: Any, w_hh: Any, b_ih: Any,
+              b_hh: Any) -> tuple[Any, Any]:
+    h0, c0 = (hx[0], hx[1]) if kind == "lstm" else (hx, None)
+    dr = _Direction(kind, (w_ih, w_hh, b_ih, b_hh, None), [input.shape[0]], reverse=False,
+                    prefix=None)
+    zero = _is_zeros(h0) and (c0 is None or _is_zeros(c0))
+    _, h, c = dr.forward(input, h0, c0, zero)
+    return ((h, c) if kind == "lstm" else h), dr
+
+
+def _cell_bwd(kind: str, dr: _Direction, d: Any) -> tuple:
+    d_h, d_c = (d[0], d[1]) if kind == "lstm" else (d, None)
+    g = dr.backward(None, d_h, d_c, need_input=needs_cotangent("input"))
+    d_hx = (g["h0"], g["c0"]) if kind == "lstm" else g["h0"]
+    return g["x"], d_hx, g["w_ih"], g["w_hh"], g["b_ih"], g["b_hh"]
+
+
+def _cell_jvp(kind: str, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    input, hx, w_ih, w_hh, b_ih, b_hh = primals
+    t_in, t_hx, tw_ih, tw_hh, tb_ih, tb_hh = tangents
+    h0, c0 = (hx[0], hx[1]) if kind == "lstm" else (hx, None)
+    th0, tc0 = ((None, None) if t_hx is None else (t_hx[0], t_hx[1])) if kind == "lstm" \
+        else (t_hx, None)
+    dr = _Direction(kind, (w_ih, w_hh, b_ih, b_hh, None), [input.shape[0]], reverse=False,
+                    prefix=None)
+    zero = _is_zeros(h0) and (c0 is None or _is_zeros(c0))
+    _, h, c, _, th, tc = dr.forward(input, h0, c0, zero,
+                                    (t_in, th0, tc0, (tw_ih, tw_hh, tb_ih, tb_hh, None)))
+    if kind == "lstm":
+        return (h, c), (th, tc)
+    return h, th
+
+
+def _cell_samples(kind: str, dtype: torch.dtype) -> Any:
+    g, B, Fi, H = _GATES[kind], 3, 2, 4
+    h = randn(B, H, dtype=dtype) * 0.5
+    hx: Any = (h, randn(B, H, dtype=dtype) * 0.5) if kind == "lstm" else h
+    w = (randn(g * H, Fi, dtype=dtype) * 0.5, randn(g * H, H, dtype=dtype) * 0.5)
+    yield (randn(B, Fi, dtype=dtype), hx) + w + (randn(g * H, dtype=dtype),
+                                                 randn(g * H, dtype=dtype)), {}
+    yield (randn(B, Fi, dtype=dtype), hx) + w, {}
+
+
+@builtin(torch.lstm_cell)
+class LSTMCell:
+    """nn.LSTMCell's ``torch.lstm_cell``: one step of :class:`LSTM`'s loop (gates i, f, g, o)
+    and its backward (ATen RNN.cpp ``LSTMCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        return _cell_fwd("lstm", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+    def bwd(aux, d):
+        return _cell_bwd("lstm", aux, d)
+
+    def jvp(primals, tangents):
+        return _cell_jvp("lstm", primals, tangents)
+
+    def samples(dtype):
+        yield from _cell_samples("lstm", dtype)
+
+
+@builtin(torch.gru_cell)
+class GRUCell:
+    """nn.GRUCell's ``torch.gru_cell``: one step of :class:`GRU`'s loop (gates r, z, n with
+    b_hn inside the reset product) and its backward (ATen RNN.cpp ``GRUCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        return _cell_fwd("gru", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+    def bwd(aux, d):
+        return _cell_bwd("gru", aux, d)
+
+    def jvp(primals, tangents):
+        return _cell_jvp("gru", primals, tangents)
+
+    def samples(dtype):
+        yield from _cell_samples("gru", dtype)
+
+
+@builtin(torch.rnn_tanh_cell)
+class RNNTanhCell:
+    """nn.RNNCell's ``torch.rnn_tanh_cell``: ``h = tanh(x @ W_ih^T + b_ih + h @ W_hh^T +
+    b_hh)``, d_pre = d_h (1 - h^2) (ATen RNN.cpp ``SimpleCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        return _cell_fwd("rnn_tanh", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+    def bwd(aux, d):
+        return _cell_bwd("rnn_tanh", aux, d)
+
+    def jvp(primals, tangents):
+        return _cell_jvp("rnn_tanh", primals, tangents)
+
+    def samples(dtype):
+        yield from _cell_samples("rnn_tanh", dtype)
+
+
+@builtin(torch.rnn_relu_cell)
+class RNNReluCell:
+    """nn.RNNCell(nonlinearity='relu')'s ``torch.rnn_relu_cell``: ``h = relu(x @ W_ih^T +
+    b_ih + h @ W_hh^T + b_hh)``, d_pre = d_h (h > 0) (ATen RNN.cpp ``SimpleCell``)."""
+
+    recompute = False
+
+    def fwd(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        return _cell_fwd("rnn_relu", input, hx, w_ih, w_hh, b_ih, b_hh)
+
+    def bwd(aux, d):
+        return _cell_bwd("rnn_relu", aux, d)
+
+    def jvp(primals, tangents):
+        return _cell_jvp("rnn_relu", primals, tangents)
+
+    def samples(dtype):
+        yield from _cell_samples("rnn_relu", dtype)
