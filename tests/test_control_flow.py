@@ -102,10 +102,12 @@ def test_second_order_through_cond(sign):
     torch.testing.assert_close(H, torch.stack(cols, 1), atol=1e-6, rtol=1e-6)
 
 
-def test_check_on_cond_and_loops():
+def test_check_on_control_flow():
     fxad.check(f_cond, torch.rand(3, dtype=D))
     fxad.check(f_cond, -torch.rand(3, dtype=D))
     fxad.check(h_loop, torch.randn(3, dtype=D))
+    fxad.check(h_data_loop, torch.ones(3, dtype=D))
+    fxad.check(f_cond, torch.rand(3), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("scale", [0.5, 2.0, 9.0])
@@ -191,3 +193,46 @@ def test_compile_trains_through_cond():
                 assert p.grad is None or p.grad.abs().max() == 0
             else:
                 torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_scan_and_map_as_code():
+    from torch._higher_order_ops.map import map as hop_map
+    from torch._higher_order_ops.scan import scan
+
+    W = torch.linspace(-0.5, 0.5, 9, dtype=D).reshape(3, 3)
+
+    def f(init, xs):
+        def comb(c, x):
+            nc = torch.tanh(c @ W + x)
+            return nc, nc * 2
+        c, ys = scan(comb, init, xs)
+        return c.sum() + (ys ** 2).sum()
+
+    def f_py(init, xs):
+        c, ys = init, []
+        for i in range(xs.shape[0]):
+            c = torch.tanh(c @ W + xs[i])
+            ys.append(c * 2)
+        return c.sum() + (torch.stack(ys) ** 2).sum()
+
+    init, xs = torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+    g = fxad.grad(f, init, xs)
+    assert "fxad_scan(" in g.code and "fxad_scan_vjp(" in g.code
+    value, (d_init, d_xs) = g(init, xs)
+    ir, xr = init.clone().requires_grad_(), xs.clone().requires_grad_()
+    want = torch.autograd.grad(f_py(ir, xr), (ir, xr))
+    torch.testing.assert_close(value, f_py(init, xs))
+    torch.testing.assert_close(d_init, want[0])
+    torch.testing.assert_close(d_xs, want[1])
+    ti, tx = torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+    _, t_out = fxad.jvp(f, init, xs)(init, xs, ti, tx)
+    torch.testing.assert_close(t_out, (want[0] * ti).sum() + (want[1] * tx).sum())
+
+    def m(xs, w):
+        return hop_map(lambda x, w: (x @ w).sin(), xs, w).sum()
+
+    value, (d_xs, d_w) = fxad.grad(m, xs, W)(xs, W)
+    xr, wr = xs.clone().requires_grad_(), W.clone().requires_grad_()
+    want = torch.autograd.grad(torch.stack([(x @ wr).sin() for x in xr]).sum(), (xr, wr))
+    torch.testing.assert_close(d_xs, want[0])
+    torch.testing.assert_close(d_w, want[1])

@@ -19,9 +19,9 @@ KNOWN_WRONG: set[str] = set()
 
 # measured floor: pass + fallback out of the autograd-supporting OpInfos (raise it as rules
 # are added; never lower it)
-MIN_COVERED = 0.955
+MIN_COVERED = 0.975
 # measured floor of pass with hand-written rules alone (no fallback)
-MIN_HANDWRITTEN = 0.95
+MIN_HANDWRITTEN = 0.97
 
 
 @pytest.fixture(scope="module")

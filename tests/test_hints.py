@@ -11,7 +11,8 @@ calls.  Each option-like token they mention is resolved:
 * ``name=``: inside ``f(...)``, a parameter of ``f``; elsewhere a parameter of fxad's public
   API, ``torch.nn.functional``, ``torch.nn`` modules, ``torch`` functions, ``torch.Tensor``
   methods or the function that raises (``pass report=``);
-* a bare ``snake_case`` word: one of the above, or an attribute of fxad/torch/Tensor;
+* a bare ``snake_case`` word: one of the above, an attribute of fxad/torch/Tensor, or a
+  name the raising function binds (``return (new_carry, y)``);
 * advice to mark a module as a leaf must name the option (``leaf_modules=``), and advice to
   register a rule must name ``fxad.register_vjp``.
 
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
 import torch
 
 import fxad
@@ -45,7 +45,7 @@ class Hint:
     line: int
     text: str
     kind: str  # "hint" or "message"
-    context: frozenset[str] = frozenset()  # parameters of the enclosing function(s)
+    context: frozenset[str] = frozenset()  # names bound in the enclosing function(s)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line} ({self.kind}): {self.text!r}"
@@ -121,14 +121,16 @@ def collect_hints(root: Path = SRC) -> list[Hint]:
 
 def _collect(node: ast.AST, rel: str, consts: dict, takers: dict[str, int],
              context: frozenset[str], out: list[Hint]) -> None:
-    """Hints under ``node``; ``context``: parameter names of the enclosing functions (a hint
-    saying "pass report=" means the function the user called)."""
+    """Hints under ``node``; ``context``: parameter and variable names of the enclosing
+    functions (a hint saying "pass report=" means the function the user called)."""
     def add(value: ast.AST, kind: str) -> None:
         out.extend(Hint(rel, value.lineno, t, kind, context) for t in _texts(value, consts))
 
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         a = node.args
-        context = context | {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+        context = context | {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs} | {
+            n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Store)}  # "return (new_carry, y)": the code's names
         if any(isinstance(k, ast.keyword) and k.arg == "hint" and isinstance(k.value, ast.Name)
                and k.value.id == "hint" for k in ast.walk(node)):
             for sub in ast.walk(node):  # hint = "..."; hint += "..."; ...(hint=hint)

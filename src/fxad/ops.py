@@ -145,6 +145,100 @@ def while_loop_jvp(cond_fn: Any, body_jvp: Any, carried: tuple, tangents: tuple,
     return c, t
 
 
+def _steps(xs: tuple, dim: int, reverse: bool) -> list[int]:
+    n = xs[0].shape[dim] if xs else 0
+    return list(range(n - 1, -1, -1)) if reverse else list(range(n))
+
+
+def _stack(rows: list[tuple], dim: int) -> tuple:
+    if not rows:
+        return ()
+    return tuple(None if rows[0][k] is None else torch.stack([r[k] for r in rows], dim)
+                 for k in range(len(rows[0])))
+
+
+def scan(body: Any, init: tuple, xs: tuple, additional: tuple = (), dim: int = 0,
+         reverse: bool = False) -> tuple:
+    """``torch._higher_order_ops.scan`` (and ``map``) as fxad captures them: for each index
+    ``i`` of ``xs`` along ``dim`` (last to first when ``reverse``),
+    ``carry, y_i = body(*carry, *[x.select(dim, i) for x in xs], *additional)``; returns
+    ``(carry, ys)`` with the ``y_i`` stacked along ``dim`` in index order."""
+    tracer = _is_proxy(init, xs, additional)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", scan,
+                                   (body, init, xs, additional, dim, reverse), {})
+    carry = tuple(init)
+    rows: list[tuple] = [()] * (xs[0].shape[dim] if xs else 0)
+    for i in _steps(xs, dim, reverse):
+        carry, y = body(*carry, *[x.select(dim, i) for x in xs], *additional)
+        carry = tuple(carry)
+        rows[i] = tuple(y)
+    return carry, _stack(rows, dim)
+
+
+def scan_vjp(body: Any, body_vjp: Any, init: tuple, xs: tuple, additional: tuple, dim: int,
+             reverse: bool, d_carry: tuple, d_ys: tuple) -> tuple:
+    """Reverse mode of :func:`scan`, by recomputation: the scan runs forward again keeping
+    each step's carry (memory: one copy of the carry per step, while this backward runs),
+    then the body's VJP (``body_vjp(*carry, *x_i, *additional, (d_carry, d_y_i)) -> (value,
+    grads)``, fxad-generated code) runs over the steps in reverse.  Returns the cotangents
+    of ``(*init, *xs, *additional)`` (``None`` for non-floating ones)."""
+    tracer = _is_proxy(init, xs, additional, d_carry, d_ys)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", scan_vjp,
+                                   (body, body_vjp, init, xs, additional, dim, reverse,
+                                    d_carry, d_ys), {})
+    steps = _steps(xs, dim, reverse)
+    carries = [tuple(init)]
+    for i in steps[:-1]:
+        c, _ = body(*carries[-1], *[x.select(dim, i) for x in xs], *additional)
+        carries.append(tuple(c))
+    nc, nx = len(init), len(xs)
+    d_c = [d if d is not None or not _floating(v) else torch.zeros_like(v)
+           for d, v in zip(d_carry, init)]
+    d_x_rows: list[Any] = [None] * len(steps)
+    d_add: list[Any] = [None] * len(additional)
+    for k in range(len(steps) - 1, -1, -1):
+        i = steps[k]
+        x_i = [x.select(dim, i) for x in xs]
+        d_y = tuple(d.select(dim, i) if d is not None else None for d in d_ys)
+        _, grads = body_vjp(*carries[k], *x_i, *additional, (tuple(d_c), d_y))
+        d_c = [g if g is not None or not _floating(v) else torch.zeros_like(v)
+               for g, v in zip(grads[:nc], carries[k])]
+        d_x_rows[i] = tuple(g if g is not None or not _floating(v) else torch.zeros_like(v)
+                            for g, v in zip(grads[nc:nc + nx], x_i))
+        for j, g in enumerate(grads[nc + nx:]):
+            if g is not None:
+                d_add[j] = g if d_add[j] is None else d_add[j] + g
+    d_xs = tuple(None if not _floating(x) else torch.stack([r[j] for r in d_x_rows], dim)
+                 for j, x in enumerate(xs)) if steps else \
+        tuple(torch.zeros_like(x) if _floating(x) else None for x in xs)
+    return tuple(d_c) + d_xs + tuple(d_add)
+
+
+def scan_jvp(body_jvp: Any, init: tuple, xs: tuple, additional: tuple, dim: int,
+             reverse: bool, t_init: tuple, t_xs: tuple, t_additional: tuple) -> tuple:
+    """Forward mode of :func:`scan`: the carry's tangent travels beside the carry, each step
+    running the body's JVP (``body_jvp(*primals, *tangents) -> (value, tangent)``); returns
+    ``((carry, ys), (carry_tangent, ys_tangent))``."""
+    tracer = _is_proxy(init, xs, additional, t_init, t_xs)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", scan_jvp,
+                                   (body_jvp, init, xs, additional, dim, reverse, t_init, t_xs,
+                                    t_additional), {})
+    c, tc = tuple(init), tuple(t_init)
+    n = xs[0].shape[dim] if xs else 0
+    rows: list[tuple] = [()] * n
+    trows: list[tuple] = [()] * n
+    for i in _steps(xs, dim, reverse):
+        x_i = [x.select(dim, i) for x in xs]
+        t_i = [t.select(dim, i) if t is not None else None for t in t_xs]
+        (c, y), (tc, ty) = body_jvp(*c, *x_i, *additional, *tc, *t_i, *t_additional)
+        c, tc = tuple(c), tuple(tc)
+        rows[i], trows[i] = tuple(y), tuple(ty)
+    return (c, _stack(rows, dim)), (tc, _stack(trows, dim))
+
+
 def _floating(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
@@ -159,7 +253,8 @@ def _register_builtins() -> None:
                              "from fxad.ops import autograd_function as fxad_autograd_function",
                              autograd_function)
     for name, fn in (("cond", cond), ("while_loop", while_loop),
-                     ("while_loop_vjp", while_loop_vjp), ("while_loop_jvp", while_loop_jvp)):
+                     ("while_loop_vjp", while_loop_vjp), ("while_loop_jvp", while_loop_jvp),
+                     ("scan", scan), ("scan_vjp", scan_vjp), ("scan_jvp", scan_jvp)):
         _register_custom_builtin(f"fxad_{name}", f"from fxad.ops import {name} as fxad_{name}",
                                  fn)
 

@@ -32,7 +32,7 @@ _CACHE_KEY = "_fxad_control_derivatives"
 
 
 def is_control_flow(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (ops.cond, ops.while_loop)
+    return node.op == "call_function" and node.target in (ops.cond, ops.while_loop, ops.scan)
 
 
 def _module(p: Any) -> fx.GraphModule:
@@ -190,5 +190,68 @@ def while_loop_rule(node: fx.Node) -> Rule:
                 params=("cond_fn", "body_fn", "carried", "additional"), residuals="inputs")
 
 
+def scan_rule(node: fx.Node) -> Rule:
+    def fwd(body: Any, init: tuple, xs: tuple, additional: tuple = (), dim: int = 0,
+            reverse: bool = False) -> tuple[Any, Any]:
+        em = body.tracer
+        value = em.create_proxy("call_function", ops.scan,
+                                (body, init, xs, additional, dim, reverse), {})
+        return value, (body, init, xs, additional, dim, reverse)
+
+    def _zeros(ts: Any, vals: tuple) -> tuple:
+        ts = list(ts) if ts is not None else [None] * len(vals)
+        return tuple(t if t is not None or not _floating(v) else
+                     torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                     for t, v in zip(ts, vals))
+
+    def bwd(aux: Any, d_out: Any) -> tuple:
+        body, init, xs, additional, dim, reverse = aux
+        em = body.tracer
+        nc, nx = len(init), len(xs)
+        ex = _examples(tuple(init) + tuple(xs) + tuple(additional))
+        slice_ex = tuple(v.select(dim, 0) for v in ex[nc:nc + nx])
+        body_ex = ex[:nc] + slice_ex + ex[nc + nx:]
+        b_vjp = _derivative("vjp", _module(body), body_ex, em)
+        bv = _attach(em, b_vjp, "scan_body_vjp")
+        out_val = node.meta["val"]
+        d_carry, d_ys = (d_out if d_out is not None else (None, None))
+        d_carry = _zeros(d_carry, out_val[0])
+        d_ys = tuple(d_ys) if d_ys is not None else (None,) * len(out_val[1])
+        res = em.create_proxy("call_function", ops.scan_vjp,
+                              (body, bv, tuple(init), tuple(xs), tuple(additional), dim,
+                               reverse, d_carry, d_ys), {})
+        grads = [em.create_proxy("call_function", operator.getitem, (res, k), {})
+                 if isinstance(x, fx.Proxy) and _floating(v) else None
+                 for k, (x, v) in enumerate(zip(tuple(init) + tuple(xs) + tuple(additional),
+                                                ex))]
+        return (None, grads[:nc], grads[nc:nc + nx], grads[nc + nx:], None, None)
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        body, init, xs, additional, dim, reverse = primals
+        em = body.tracer
+        nc, nx = len(init), len(xs)
+        ex = _examples(tuple(init) + tuple(xs) + tuple(additional))
+        slice_ex = tuple(v.select(dim, 0) for v in ex[nc:nc + nx])
+        b_jvp = _derivative("jvp", _module(body), ex[:nc] + slice_ex + ex[nc + nx:], em)
+        bj = _attach(em, b_jvp, "scan_body_jvp")
+        res = em.create_proxy("call_function", ops.scan_jvp,
+                              (bj, tuple(init), tuple(xs), tuple(additional), dim, reverse,
+                               _zeros(tangents[1], ex[:nc]), _zeros(tangents[2], ex[nc:nc + nx]),
+                               _zeros(tangents[3], ex[nc + nx:])), {})
+        value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
+        tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
+        return value, tangent
+
+    return Rule(op=ops.scan, fwd=fwd, bwd=bwd, jvp=jvp,
+                source="torch scan/map: reverse mode recomputes the carries and runs the "
+                       "body's VJP over the steps in reverse; forward mode carries tangents",
+                params=("body", "init", "xs", "additional", "dim", "reverse"),
+                residuals="inputs")
+
+
 def control_flow_rule(node: fx.Node) -> Rule:
-    return cond_rule(node) if node.target is ops.cond else while_loop_rule(node)
+    if node.target is ops.cond:
+        return cond_rule(node)
+    if node.target is ops.scan:
+        return scan_rule(node)
+    return while_loop_rule(node)

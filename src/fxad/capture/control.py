@@ -1,4 +1,5 @@
-"""Capture of data-dependent control flow: ``torch.cond`` and ``torch.while_loop``.
+"""Capture of data-dependent control flow: ``torch.cond``, ``torch.while_loop`` and
+``torch._higher_order_ops.scan`` / ``map``.
 
 A Python ``if`` on a tensor's value cannot be traced (fxad traces one path), but PyTorch's
 control-flow operators can: their branches and loop bodies are functions, which fxad
@@ -19,11 +20,16 @@ predicate at run time, so one build is right for any data.
   ``while_loop``, the backward recomputes the loop forward, keeping each iteration's state,
   then runs the body's generated VJP in reverse (memory: one copy of the carried tensors per
   iteration while the backward runs); forward mode carries tangents through the loop with
-  the body's generated JVP.
+  the body's generated JVP.  ``scan`` (and ``map``, a scan without carry) the same way over
+  its steps, with the per-step outputs stacked.
+* The entry points are patched during capture in ``torch``, ``torch._higher_order_ops`` and
+  in the traced code's own globals and closure cells (``from torch._higher_order_ops.scan
+  import scan``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -218,6 +224,159 @@ def capture_while_loop(cap: Any, cond_fn: Callable, body_fn: Callable,
     return value
 
 
+def _flat_tensors(x: Any, what: str) -> tuple[tuple, Any]:
+    leaves, spec = pytree.tree_flatten(x)
+    if not all(isinstance(v, torch.Tensor) for v in leaves):
+        raise CaptureError(f"{what}: every leaf must be a tensor", op=what,
+                           loc=user_source_loc(), hint="pass Python values through closures")
+    return tuple(leaves), spec
+
+
+def capture_scan(cap: Any, combine_fn: Callable, init: Any, xs: Any, dim: int = 0,
+                 reverse: bool = False, *, is_map: bool = False, args: tuple = ()) -> Any:
+    """``torch._higher_order_ops.scan(combine_fn, init, xs, dim=, reverse=)`` (and ``map(f,
+    xs, *args)``, a scan without carry) during capture."""
+    from ..ops import scan as scan_op
+    from .tracer import _snapshot
+
+    what = "torch map" if is_map else "torch scan"
+    c_flat, c_spec = _flat_tensors(init, what)
+    x_flat, x_spec = _flat_tensors(xs, what)
+    if not x_flat:
+        raise CaptureError(f"{what} needs at least one tensor to scan over", op=what,
+                           loc=user_source_loc(), hint="pass xs as a tensor or tuple of tensors")
+    dim = dim % x_flat[0].dim()
+    n = x_flat[0].shape[dim]
+    if any(x.shape[dim] != n for x in x_flat):
+        raise CaptureError(f"{what}: the tensors in xs have different sizes along dim {dim}",
+                           op=what, loc=user_source_loc(), hint="give them one length")
+    slices = [x.select(dim, 0) for x in x_flat]
+    nc = len(c_flat)
+    y_spec_box: list[Any] = []
+
+    def body(*flat: Any) -> Any:
+        carry = pytree.tree_unflatten(list(flat[:nc]), c_spec)
+        x_i = pytree.tree_unflatten(list(flat[nc:nc + len(x_flat)]), x_spec)
+        if is_map:
+            y = combine_fn(x_i, *args)
+            new_carry: Any = ()
+        else:
+            new_carry, y = combine_fn(carry, x_i)
+        nc_flat, nc_spec = pytree.tree_flatten(new_carry)
+        y_flat, y_spec = pytree.tree_flatten(y)
+        y_spec_box[:] = [nc_spec, y_spec]
+        return tuple(nc_flat), tuple(y_flat)
+
+    with torch._C.DisableTorchFunction():
+        fake_slices = [_fresh(s) for s in slices]
+    b_gm, b_lift = subgraph(cap, body, c_flat + tuple(fake_slices), f"{what.split()[1]}_body")
+    (b_gm,), lifted = _unify([(b_gm, b_lift)])
+    new_c, ys = _outputs(b_gm)
+    if len(new_c) != nc or any(a.shape != b.shape or a.dtype != b.dtype
+                               for a, b in zip(new_c, c_flat)):
+        raise CaptureError(f"{what}: combine_fn must return a carry of the shapes and dtypes "
+                           "of init", op=what, loc=user_source_loc(),
+                           hint="return (new_carry, y) with new_carry shaped like init")
+    bn = _attach(cap, b_gm, f"{what.split()[1]}_body")
+    carry_val = tuple(_fresh(c) for c in c_flat)
+    with torch._C.DisableTorchFunction(), fake_mode():
+        ys_val = tuple(torch.stack([y] * n, dim) if n else torch.empty(0) for y in ys)
+    value = (carry_val, ys_val)
+    node = cap.record("call_function", scan_op,
+                      (bn, c_flat, x_flat, tuple(lifted), dim, reverse), {}, value, what)
+    node.meta["val"] = (tuple(_snapshot(v) for v in carry_val),
+                        tuple(_snapshot(v) for v in ys_val))
+    cap.bind_outputs(value, node)
+    nc_spec, y_spec = y_spec_box
+    ys_user = pytree.tree_unflatten(list(ys_val), y_spec)
+    if is_map:
+        return ys_user
+    return pytree.tree_unflatten(list(carry_val), c_spec), ys_user
+
+
+def _eager_cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: Any = ()) -> Any:
+    return (true_fn if bool(pred) else false_fn)(*operands)
+
+
+def _eager_while_loop(cond_fn: Callable, body_fn: Callable, carried_inputs: Any) -> Any:
+    carried = tuple(carried_inputs)
+    while bool(cond_fn(*carried)):
+        carried = tuple(body_fn(*carried))
+    return carried
+
+
+def _eager_scan(combine_fn: Callable, init: Any, xs: Any, dim: int = 0,
+                reverse: bool = False) -> Any:
+    x_flat, x_spec = pytree.tree_flatten(xs)
+    n = x_flat[0].shape[dim]
+    carry, ys = init, [None] * n
+    for i in (range(n - 1, -1, -1) if reverse else range(n)):
+        carry, y = combine_fn(carry, pytree.tree_unflatten([x.select(dim, i) for x in x_flat],
+                                                           x_spec))
+        ys[i] = y
+    y_flat = [pytree.tree_flatten(y)[0] for y in ys]
+    spec = pytree.tree_flatten(ys[0])[1]
+    return carry, pytree.tree_unflatten(
+        [torch.stack([r[k] for r in y_flat], dim) for k in range(len(y_flat[0]))], spec)
+
+
+def _eager_map(f: Callable, xs: Any, *args: Any) -> Any:
+    return _eager_scan(lambda c, x: (c, f(x, *args)), (), xs)[1]
+
+
+@contextlib.contextmanager
+def eager_semantics(f: Any = None) -> Iterator[None]:
+    """``torch.cond``, ``torch.while_loop`` and ``torch._higher_order_ops.scan`` / ``map``
+    replaced by the Python programs their documentation defines them as (``cond`` is ``if
+    pred: true_fn(*operands) else: false_fn(*operands)``...), for eager reference runs:
+    PyTorch runs its own versions through ``torch.compile``, which cannot run under the
+    dispatch modes :func:`fxad.check` uses (and, cached across calls, gave wrong gradients
+    for ``while_loop`` in our tests).  fxad's capture still sees them as control flow."""
+    from .tracer import _CellSlot, _DictSlot, _user_globals
+    impl = {"cond": _eager_cond, "while_loop": _eager_while_loop, "scan": _eager_scan,
+            "map": _eager_map}
+    patched: list[tuple[Any, str, Any, Any]] = []
+    originals: dict[int, Any] = {}
+    import importlib
+    for modname, name in (("torch", "cond"), ("torch", "while_loop"),
+                          ("torch._higher_order_ops", "cond"),
+                          ("torch._higher_order_ops", "while_loop"),
+                          ("torch._higher_order_ops", "scan"), ("torch._higher_order_ops", "map"),
+                          ("torch._higher_order_ops.cond", "cond"),
+                          ("torch._higher_order_ops.while_loop", "while_loop"),
+                          ("torch._higher_order_ops.scan", "scan"),
+                          ("torch._higher_order_ops.map", "map")):
+        try:
+            ns = importlib.import_module(modname)
+        except ImportError:  # pragma: no cover
+            continue
+        orig = getattr(ns, name, None)
+        if orig is None or isinstance(orig, type(importlib)) or not callable(orig):
+            continue
+        originals[id(orig)] = impl[name]
+        patched.append((ns, name, orig, impl[name]))
+    if f is not None:
+        for space in _user_globals(f):
+            if isinstance(space, dict):
+                for name, val in list(space.items()):
+                    if id(val) in originals:
+                        patched.append((_DictSlot(space), name, val, originals[id(val)]))
+            else:
+                try:
+                    val = space.cell_contents
+                except ValueError:
+                    continue
+                if id(val) in originals:
+                    patched.append((_CellSlot(space), "cell_contents", val, originals[id(val)]))
+    try:
+        for ns, name, _, new in patched:
+            setattr(ns, name, new)
+        yield
+    finally:
+        for ns, name, orig, _ in reversed(patched):
+            setattr(ns, name, orig)
+
+
 def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
     """(namespace, name, original, replacement) for the control-flow entry points."""
     from .tracer import _STATE
@@ -251,13 +410,35 @@ def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
         while_loop.__wrapped__ = orig  # type: ignore[attr-defined]
         return while_loop
 
+    def make_scan(orig: Callable) -> Callable:
+        def scan(combine_fn: Any, init: Any, xs: Any, *extra: Any, **kw: Any) -> Any:
+            cap = active()
+            if cap is None:
+                return orig(combine_fn, init, xs, *extra, **kw)
+            return capture_scan(cap, combine_fn, init, xs, *extra, **kw)
+        scan.__wrapped__ = orig  # type: ignore[attr-defined]
+        return scan
+
+    def make_map(orig: Callable) -> Callable:
+        def map_(f: Any, xs: Any, *args: Any) -> Any:
+            cap = active()
+            if cap is None:
+                return orig(f, xs, *args)
+            return capture_scan(cap, f, (), xs, 0, False, is_map=True, args=args)
+        map_.__wrapped__ = orig  # type: ignore[attr-defined]
+        return map_
+
     import importlib
     patch(torch, "cond", make_cond)
     patch(torch, "while_loop", make_while)
     for modname, name, make in (("torch._higher_order_ops.cond", "cond", make_cond),
                                 ("torch._higher_order_ops.while_loop", "while_loop", make_while),
                                 ("torch._higher_order_ops", "cond", make_cond),
-                                ("torch._higher_order_ops", "while_loop", make_while)):
+                                ("torch._higher_order_ops", "while_loop", make_while),
+                                ("torch._higher_order_ops.scan", "scan", make_scan),
+                                ("torch._higher_order_ops", "scan", make_scan),
+                                ("torch._higher_order_ops.map", "map", make_map),
+                                ("torch._higher_order_ops", "map", make_map)):
         try:
             ns = importlib.import_module(modname)
         except ImportError:  # pragma: no cover - older torch

@@ -1147,7 +1147,7 @@ def _capture_environment(cap: _Capture) -> Iterator[None]:
         finally:
             _STATE.capture = prev
         return
-    with _patches():
+    with _patches(getattr(cap, "user_globals", ())):
         _STATE.capture = cap
         try:
             yield
@@ -1156,7 +1156,7 @@ def _capture_environment(cap: _Capture) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patches() -> Iterator[None]:
+def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
     import torch.nn.grad as nn_grad
     import torch.utils.checkpoint as ckpt
 
@@ -1225,6 +1225,24 @@ def _patches() -> Iterator[None]:
     # user functions kept as one node: torch.fx.wrap'd ones and those with a registered rule
     globs = [(glob, name, fn) for glob, name, fn in _leaf_functions()]
 
+    # the control-flow functions imported by name into the user's modules
+    # (``from torch._higher_order_ops.scan import scan``)
+    replaced = {id(orig): new for ns, name, orig, new in patched
+                if ns.__class__.__name__ == "module" and name in ("cond", "while_loop", "scan",
+                                                                  "map")}
+    for space in {id(g): g for g in user_globals}.values():
+        if isinstance(space, dict):
+            for name, val in list(space.items()):
+                if id(val) in replaced and callable(val):
+                    patched.append((_DictSlot(space), name, val, replaced[id(val)]))
+        else:  # a closure cell
+            try:
+                val = space.cell_contents
+            except ValueError:
+                continue
+            if id(val) in replaced:
+                patched.append((_CellSlot(space), "cell_contents", val, replaced[id(val)]))
+
     compiler = torch.compiler
     old_flag = getattr(compiler, "_is_compiling_flag", None)
     old_fn = compiler.is_compiling
@@ -1245,6 +1263,29 @@ def _patches() -> Iterator[None]:
         if old_flag is not None:
             compiler._is_compiling_flag = old_flag
         compiler.is_compiling = old_fn  # type: ignore[assignment]
+
+
+class _CellSlot:
+    """``setattr(slot, "cell_contents", v)`` on a closure cell (for the patch list)."""
+
+    def __init__(self, cell: Any) -> None:
+        object.__setattr__(self, "_c", cell)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._c.cell_contents = value
+
+
+class _DictSlot:
+    """``setattr``/``getattr`` on a module's globals dict (for the patch list)."""
+
+    def __init__(self, d: dict) -> None:
+        object.__setattr__(self, "_d", d)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._d[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        return self._d[name]
 
 
 def _leaf_functions() -> list[tuple[dict, str, Any]]:
@@ -1389,6 +1430,7 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     else:
         raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
     cap = _Capture(root, not isinstance(f, torch.nn.Module), tuple(leaf_modules))
+    cap.user_globals = _user_globals(f)
     names = _input_names(params, len(example_inputs))
     values = _inputs(cap, names, example_inputs)
     with _capture_environment(cap), fake_mode(), torch.enable_grad(), cap.mode:
@@ -1412,6 +1454,21 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
     return gm
+
+
+def _user_globals(f: Any) -> list[dict]:
+    """The module globals of the traced code: the function's, or every submodule's
+    ``forward``'s (where names imported from torch may need patching during capture)."""
+    out: list[Any] = []
+    fns = [f] if not isinstance(f, torch.nn.Module) else \
+        [type(m).forward for m in f.modules()]
+    for fn in fns:
+        fn = inspect.unwrap(fn)
+        glob = getattr(fn, "__globals__", None)
+        if isinstance(glob, dict) and not str(glob.get("__name__", "")).startswith("torch"):
+            out.append(glob)
+            out.extend(getattr(fn, "__closure__", None) or ())
+    return out
 
 
 def _as_function(method: Any, n: int) -> Callable:

@@ -761,7 +761,14 @@ class _Gen:
             return None
         s = self.shp(t)
         nd = len(s)
-        b = self.pick("f", lambda n: n != t and self.broadcastable(t, n, onto=True))
+        # operands never share memory with the target: PyTorch reads them while it writes
+        # (x[idx] = diagonal(x)), with a result that depends on the kernel's order
+        mem = {_storage(self.t(k)) for k in [t] + self.aliases(t)}
+
+        def apart(n: str) -> bool:
+            return _storage(self.t(n)) not in mem
+
+        b = self.pick("f", lambda n: apart(n) and self.broadcastable(t, n, onto=True))
         sc = self.scalar()
         if family == "setitem" or (family == "alias" and r.random() < 0.4):
             if nd == 0:
@@ -781,7 +788,7 @@ class _Gen:
                 sub = eval(f"{t}[{idx}]", self.ns)
             except Exception:
                 return None
-            vals = [n for n in self.order if n != t and self.kind(n) == "f"
+            vals = [n for n in self.order if apart(n) and self.kind(n) == "f"
                     and _broadcast(self.shp(n), tuple(sub.shape)) == tuple(sub.shape)]
             is_mask = (idx in self.ns and self.kind(idx) == "b") or idx.endswith("> 0.5")
             val = sc if (not vals or is_mask or r.random() < 0.3) else self.choice(vals)
@@ -806,7 +813,7 @@ class _Gen:
         if nd >= 1:
             d = r.randrange(nd)
             perm = self.index_tensor(s[d], length=s[d], unique=True)
-            src = self.pick("f", lambda n: self.shp(n) == s)
+            src = self.pick("f", lambda n: apart(n) and self.shp(n) == s)
             if src is not None:
                 forms += [f"{t}.index_add_({d}, {perm}, {src})",
                           f"{t}.index_copy_({d}, {perm}, {src})",

@@ -116,11 +116,9 @@ def _register(op: Any, *, feature: bool, alpha: bool, unbatched_dims: int | None
         return _dropout_fwd(x, p, training, feature=feature, alpha=alpha,
                             unbatched=is_unbatched(x))
 
-    if functional:
-        ns: dict[str, Any] = {"_fwd": forward}
-        exec(f"def fwd(input, p=0.5, training={training_default!r}, inplace=False):\n"
-             "    return _fwd(input, p, training)\n", ns)
-        fwd = ns["fwd"]
+    if functional:  # F.*(input, p=0.5, training=..., inplace=False)
+        def fwd(input, p=0.5, training=training_default, inplace=False):
+            return forward(input, p, training)
     else:
         def fwd(input, p, train):
             return forward(input, p, train)

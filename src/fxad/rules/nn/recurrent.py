@@ -104,10 +104,11 @@ def _constant_ints(t: Any, op: str) -> list[int]:
             if isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor":
                 return [int(v) for v in obj.tolist()]
     raise _error(op, "the batch sizes of the packed sequence are not known when the code is "
-                 "written (fxad unrolls the time loop, one step per batch size)",
-                 "pack the sequence with lengths fxad can read at capture: a Python list "
-                 "(pack_padded_sequence(x, [5, 3, 2])) or a CPU tensor constant, not a "
-                 "tensor input of the traced function")
+                 "written (fxad unrolls the time loop, one step per batch size): they must be a "
+                 "constant of the program or values capture recorded",
+                 "run the network on the padded batch instead; for a unidirectional network "
+                 "the outputs of each sequence's steps, and its final state "
+                 "(out[lengths - 1, arange(B)]), are the packed run's")
 
 
 def _is_zeros(t: Any) -> bool:
@@ -203,6 +204,8 @@ class _Direction:
         """Name the node of ``value`` (a proxy this rule just wrote) after ``what`` at step
         ``t``; returns ``value``."""
         node = getattr(value, "node", None)
+        if node is not None and node.op in ("placeholder", "get_attr"):
+            return value
         if node is not None and self.prefix is not None:
             node._rename(f"{self.prefix}{what}" + (f"_t{t}" if t >= 0 else "_all"))
         elif node is not None:
@@ -438,7 +441,8 @@ class _Direction:
         ``None``).  Returns a dict with keys ``x h0 c0 w_ih w_hh b_ih b_hh w_hr``."""
         sizes, T = self.sizes, len(self.sizes)
         d_rows = _rows(d_y, sizes) if d_y is not None else None
-        d_ys = [None if d_rows is None else self.name(d_rows[t], "d_y", t) for t in range(T)]
+        d_ys = [None if d_rows is None else d_rows[t] if T == 1 else
+                self.name(d_rows[t], "d_y", t) for t in range(T)]
         step = {"lstm": self._lstm_bwd, "gru": self._gru_bwd}.get(self.kind, self._rnn_bwd)()
         self.incoming = (d_hn, d_cn)  # (not renamed: the engine's cotangents)
         n = self.last_rows
