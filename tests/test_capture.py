@@ -295,3 +295,8 @@ def test_builtins_and_bound_methods_are_functions_of_their_arguments():
     fxad.check(torch.atan2, x, x + 2)
     lin = nn.Linear(3, 2).double()
     fxad.check(lin.forward, x)  # the module's parameters are constants here
+
+
+def test_where_method_is_normalized_with_its_condition_first():
+    gm = fxad.trace(lambda x: x.where(x > 0, x * 2), torch.randn(3))
+    assert "torch.where(gt, x, mul)" in gm.code

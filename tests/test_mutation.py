@@ -202,3 +202,35 @@ def test_inplace_on_a_multi_output_view_is_refused_as_pytorch_does():
 
     with pytest.raises(fxad.InplaceError, match="PyTorch rejects"):
         fxad.vjp(f, torch.randn(4, 3, dtype=D))
+
+
+def test_write_through_a_detached_alias_updates_the_value_not_the_derivative():
+    # eager: the base sees the write (shared storage), its autograd history does not
+    def f(x0):
+        v0 = x0.square()
+        v1 = v0.detach()
+        v1 += x0
+        return v0
+
+    x = _inputs([(3,)])[0]
+    out, (d_x,) = fxad.vjp(f, x)(x, torch.ones(3, dtype=D))
+    xr = x.clone().requires_grad_()
+    o = f(xr)
+    torch.testing.assert_close(out, o)
+    torch.testing.assert_close(d_x, torch.autograd.grad(o, xr, torch.ones(3, dtype=D))[0])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_setitem_with_a_0d_boolean_mask(sign):
+    def f(x0):
+        v0 = x0 * 2
+        v0[x0.sum() > 0] = 0.5
+        return v0
+
+    x = _inputs([(3,)])[0].abs() * sign
+    g = fxad.vjp(f, _inputs([(3,)])[0])
+    out, (d_x,) = g(x, torch.ones(3, dtype=D))
+    xr = x.clone().requires_grad_()
+    o = f(xr)
+    torch.testing.assert_close(out, o)
+    torch.testing.assert_close(d_x, torch.autograd.grad(o, xr, torch.ones(3, dtype=D))[0])

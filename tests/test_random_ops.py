@@ -98,9 +98,6 @@ def _eager(f, x, cot, tan, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("name,f,shape", OPS, ids=[o[0] for o in OPS])
 def test_same_draws_as_eager_bit_for_bit(name, f, shape, dtype, strided):
-    if name == "bernoulli_inplace" and strided:
-        pytest.xfail("capture records t.bernoulli_(p) as the out-of-place t.bernoulli(p), "
-                     "which draws into a contiguous tensor: other masks for a strided t")
     x = _inputs(shape, dtype, strided)
     g = fxad.vjp(lambda x: _value(f(x)), x)
     j = fxad.jvp(lambda x: _value(f(x)), x)
@@ -294,3 +291,23 @@ def test_random_leaves_in_pytree_outputs():
     ref = (F.dropout(x, 0.5), torch.native_dropout(x, 0.5, True))
     for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
         assert torch.equal(a, b)
+
+
+def test_fused_device_dropout_calls_eagers_fused_kernel(monkeypatch):
+    """On CUDA/XPU eager F.dropout runs the fused native_dropout kernel (ATen's
+    is_fused_kernel_acceptable), and so does the generated code for tensors traced there.
+    Without a GPU, the plumbing is checked by treating the CPU as such a device: the code then
+    calls torch.native_dropout and matches eager's native_dropout bit for bit."""
+    import fxad.rules.nn.dropout as dropout_rules
+    monkeypatch.setattr(dropout_rules, "_FUSED_DEVICES", ("cpu",))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    g = fxad.vjp(lambda x: F.dropout(x, 0.3), x)
+    assert "torch.native_dropout(x, 0.3, True)" in g.code
+    cot = torch.randn(4, 5, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    torch.manual_seed(1)
+    ref = torch.native_dropout(xr, 0.3, True)[0]
+    (ref_g,) = torch.autograd.grad(ref, xr, cot)
+    torch.manual_seed(1)
+    out, (d_x,) = g(x, cot)
+    assert torch.equal(out, ref) and torch.equal(d_x, ref_g)

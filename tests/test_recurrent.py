@@ -308,9 +308,6 @@ def test_packed_sequence_needs_known_batch_sizes():
                     [w.detach() for w in m._flat_weights], 1, False, via="placeholder")
 
 
-@pytest.mark.xfail(raises=fxad.DataDependentError, strict=False,
-                   reason="capture cannot record pack_padded_sequence yet: it needs the values "
-                          "of the lengths at capture (see the recurrent rules' docstring)")
 def test_pack_padded_sequence_end_to_end():
     torch.manual_seed(0)
     m = nn.LSTM(3, 4, bidirectional=True).to(DT)
@@ -322,6 +319,32 @@ def test_pack_padded_sequence_end_to_end():
         y, _ = nn.utils.rnn.pad_packed_sequence(out)
         return y.sin().sum() + h.sum() + c.sum()
     fxad.check(f, x)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_packed_sequence_with_lengths_as_an_input(kind, batch_first):
+    torch.manual_seed(0)
+    m = _module(kind, 3, 4, num_layers=2, bidirectional=True, batch_first=batch_first).to(DT)
+    x = torch.randn((3, 5, 3) if batch_first else (5, 3, 3), dtype=DT)
+    lengths = torch.tensor([2, 5, 3])
+
+    def f(x, lengths):
+        p = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=batch_first,
+                                              enforce_sorted=False)
+        out = m(p)[0]
+        y, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=batch_first)
+        return (y.sin() ** 2).sum()
+
+    g = fxad.grad(f, x, lengths)
+    assert "fxad_autograd_vjp" not in g.code
+    value, (d_x, _) = g(x, lengths)
+    xr = x.clone().requires_grad_()
+    torch.testing.assert_close(value, f(x, lengths))
+    torch.testing.assert_close(d_x, torch.autograd.grad(f(xr, lengths), xr)[0])
+    # the code is specialized on the lengths' values (they decide the unrolled loop): guarded
+    with pytest.raises(fxad.InputError, match="lengths"):
+        g(x, torch.tensor([5, 2, 3]))
 
 
 # --- dropout between layers ------------------------------------------------------------------
@@ -465,6 +488,26 @@ def test_onednn_lstm_at_level_all(config):
     for name, p in model.named_parameters():
         assert torch.equal(params[name], p.grad), name
     assert "onednn" not in fxad.grad(model, x, h0, c0).code  # the default level: the loop
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_joint_step_with_onednn_lstm(compile):
+    """fxad.joint_step builds at level "all" (oneDNN's kernels); under torch.compile the two
+    oneDNN calls run eagerly (a graph break, as around eager nn.LSTM)."""
+    torch.manual_seed(0)
+    model = _Call(lambda x: nn.functional.mse_loss(m(x)[0], x.new_zeros(())), [])
+    m = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+    model.mods.append(m)
+    x = torch.randn(5, 2, 3)
+    step = fxad.joint_step(model, x, compile=compile)
+    assert "fxad_onednn_lstm_layer_backward" in step.graph_module.code
+    loss, _, grads = step(x)
+    ref = model(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
 def test_onednn_not_used_where_eager_does_not():

@@ -208,11 +208,12 @@ def _build_static(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type]
         argnums=argnums)
     out.meta["fxad_input_spec"] = _input_spec(
         [n.name for n in input_phs], example_inputs, None if seed_ones else result[0],
-        "fxad.grad" if seed_ones else "fxad.vjp")
+        "fxad.grad" if seed_ones else "fxad.vjp", gm.meta)
     return out
 
 
-def _input_spec(names: list[str], example_inputs: tuple, outputs: Any, api: str) -> Any:
+def _input_spec(names: list[str], example_inputs: tuple, outputs: Any, api: str,
+                meta: dict | None = None) -> Any:
     """The guard of a generated VJP: the inputs as traced, then the cotangent (shaped like the
     output; ``None`` for non-floating outputs)."""
     from torch.utils import _pytree as pytree
@@ -230,8 +231,11 @@ def _input_spec(names: list[str], example_inputs: tuple, outputs: Any, api: str)
         plain = pytree.tree_map(lambda x: x, outputs, is_leaf=lambda x: isinstance(x, fx.Node))
         examples.append(pytree.tree_map(cot, plain, is_leaf=lambda x: isinstance(x, fx.Node)))
         names.append("cotangent")
+    meta = meta or {}
     return spec_of(names, examples, rebuild=f"rebuild it with {api}(f, *inputs) on inputs "
-                                            "like these")
+                                            "like these",
+                   values=meta.get("fxad_value_inputs", ()),
+                   constants=meta.get("fxad_value_constants", ()))
 
 
 class _Slot:

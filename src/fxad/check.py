@@ -908,7 +908,7 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
            fd_eps: float | None, fd_rtol: float | None, seed: int,
            leaf_modules: Iterable[type]) -> CheckReport:
     from .api import vjp
-    from .simplify._util import is_random
+    from .simplify._util import draws_random
 
     st = _Setup(atol, rtol, fd_eps, fd_rtol, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -919,7 +919,7 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
     xsD = _cast(inputs, dtype)
     gD = vjp(fnD, *xsD, leaf_modules=leaf_modules)
     fwD = gD.meta["fxad_forward"]
-    if any(is_random(n) for n in fwD.graph.nodes):
+    if any(draws_random(n) for n in fwD.graph.nodes):
         raise InputError("fxad.check cannot compare a function with active random ops "
                          "(e.g. dropout in training mode)",
                          hint="call .eval() on the module or set the dropout probability to 0")

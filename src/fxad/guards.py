@@ -58,6 +58,10 @@ class InputSpec:
     # decisions the program made on dynamic sizes: (fn(*sizes) -> bool, [(argument, dim)],
     # text), see fxad.dynamic
     predicates: list[tuple[Any, list[tuple[int, int]], str]] = field(default_factory=list)
+    # integer tensor inputs whose *values* the trace read (the lengths of a packed sequence):
+    # argument position -> value; and constant tensors it read: (the tensor, its value then)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    constants: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def check(self, args: Sequence[Any]) -> None:
         """Raise :class:`fxad.InputError` unless ``args`` match what was traced."""
@@ -77,6 +81,20 @@ class InputSpec:
                 self._check_leaf(i, j, v, slot)
         if self.symbols:
             self._check_symbols(args)
+        for i, want in self.values.items():
+            got = args[i]
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape \
+                    or not torch.equal(got.cpu(), want):
+                raise InputError(
+                    f"argument `{self.names[i]}` has values {_short(got)}, but this module was "
+                    f"traced with {_short(want)}: the program used them as sizes or in Python "
+                    f"control flow, which fxad specializes on; {self.rebuild}")
+        for obj, want in self.constants:
+            if obj.shape != want.shape or not torch.equal(obj.cpu(), want):
+                raise InputError(
+                    f"a constant tensor the program read while traced changed (it was "
+                    f"{_short(want)}, now {_short(obj)}); the code was specialized on its "
+                    f"values; {self.rebuild}")
         for fn, dims, text in self.predicates:
             sizes = [args[i].shape[d] for i, d in dims]
             if not fn(*sizes):
@@ -144,6 +162,13 @@ class InputSpec:
                     f"{self.rebuild}")
 
 
+def _short(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    vals = t.flatten().tolist()
+    return str(vals[:8])[:-1] + (", ...]" if len(vals) > 8 else "]")
+
+
 def _plain(x: Any) -> Any:
     """Named tuples and ``torch.return_types`` as plain tuples: a cotangent for
     ``torch.sort``'s ``(values, indices)`` may be either."""
@@ -158,7 +183,8 @@ def _plain(x: Any) -> Any:
 
 def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
             unchecked: Sequence[int] = (), dynamic: dict[tuple[int, int, int], str] | None = None,
-            min_size: dict[str, int] | None = None) -> InputSpec:
+            min_size: dict[str, int] | None = None, values: Sequence[int] = (),
+            constants: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> InputSpec:
     """The :class:`InputSpec` of ``examples`` (one per argument in ``names``).
 
     Args:
@@ -190,4 +216,8 @@ def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
             else:
                 slots.append(("value", v))
         leaves.append(slots)
-    return InputSpec(list(names), trees, leaves, symbols, dict(min_size or {}), rebuild)
+    spec = InputSpec(list(names), trees, leaves, symbols, dict(min_size or {}), rebuild)
+    spec.values = {i: examples[i].detach().cpu().clone() for i in values
+                   if isinstance(examples[i], torch.Tensor)}
+    spec.constants = list(constants)
+    return spec

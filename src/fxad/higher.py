@@ -194,7 +194,9 @@ def _build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
     from .guards import spec_of
     out.meta["fxad_input_spec"] = spec_of(
         [n.name for n in phs], example_inputs,
-        rebuild="rebuild it with fxad.jvp(f, *inputs) on inputs like these")
+        rebuild="rebuild it with fxad.jvp(f, *inputs) on inputs like these",
+        values=gm.meta.get("fxad_value_inputs", ()),
+        constants=gm.meta.get("fxad_value_constants", ()))
     if src_mod is not None:
         _install_mode_check(out, src_mod)
     from .rules.fallback import warn_fallbacks

@@ -116,6 +116,11 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             if name == "new_full":
                 return ("call_function", torch.full, (tuple(rest[0]), rest[1]), kw)
             return ("call_function", _NEW_FACTORIES[name], (_shape_arg(rest),), kw)
+        if name == "where" and len(args) >= 2:
+            # x.where(cond, y) is torch.where(cond, x, y)
+            rest = tuple(args[2:]) if len(args) > 2 else (kwargs.pop("other"),) \
+                if "other" in kwargs else ()
+            return ("call_function", torch.where, (args[1], args[0]) + rest, kwargs)
         if name in _KEEP_METHODS or name.startswith("_"):
             return None
         fn = getattr(torch, name, None)

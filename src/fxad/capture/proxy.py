@@ -275,10 +275,16 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
     mode = fake_mode()
     if kind == "call_function":
         from .shapes import OUTPUT_META
-        with mode:
-            if target in OUTPUT_META:  # the op's fake execution would need data
-                return OUTPUT_META[target](*fargs, **fkwargs)
-            return target(*fargs, **fkwargs)
+        try:
+            with mode:
+                if target in OUTPUT_META:  # the op's fake execution would need data
+                    return OUTPUT_META[target](*fargs, **fkwargs)
+                return target(*fargs, **fkwargs)
+        except Exception as e:
+            known = _with_known_values(target, args, kwargs, e, graph_owner)
+            if known is None:
+                raise
+            return known
     if kind == "call_method":
         self_v, *rest = fargs
         if isinstance(target, str) and target.endswith("_") and not target.endswith("__") \
@@ -296,6 +302,69 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
         assert graph_owner is not None
         return to_fake(fetch_attr(graph_owner, target))
     raise AssertionError(kind)
+
+
+def _known_value(a: fx.Node, owner: torch.nn.Module | None) -> Any:
+    """The value capture recorded for ``a``, or a small integer tensor constant it reads."""
+    known = a.meta.get("fxad_value")
+    if isinstance(known, torch.Tensor):
+        return known
+    if a.op == "get_attr" and owner is not None:
+        try:
+            obj = fetch_attr(owner, a.target)
+        except (AttributeError, KeyError):
+            return None
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, (FakeTensor, torch.nn.Parameter)) \
+                and not (obj.is_floating_point() or obj.is_complex()) and obj.numel() <= 1 << 14:
+            return obj
+    return None
+
+
+def _with_known_values(target: Any, args: tuple, kwargs: dict, error: Exception,
+                       owner: torch.nn.Module | None = None) -> Any:
+    """An op whose output shape needs the values of integer arguments capture recorded
+    (``meta['fxad_value']``, e.g. a packed sequence's batch sizes): run it on those values and
+    meta tensors for the rest, and return fake results; None when that does not apply."""
+    msg = str(error)
+    if not ("DataDependent" in type(error).__name__ or "DynamicOutputShape" in
+            type(error).__name__ or "data is not allocated" in msg):
+        return None
+    values = [a for a in pytree.tree_leaves((args, kwargs))
+              if isinstance(a, fx.Node) and _known_value(a, owner) is not None]
+    if not values:
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+    device = None
+
+    def conv(a: Any) -> Any:
+        nonlocal device
+        if not isinstance(a, fx.Node):
+            return a
+        known = _known_value(a, owner)
+        v = a.meta.get("val")
+        if isinstance(known, torch.Tensor) and not (known.is_floating_point()
+                                                     or known.is_complex()):
+            return known
+        if isinstance(v, torch.Tensor):
+            device = device or v.device
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                       device="meta")
+        return v
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        out = target(*fx.node.map_aggregate(args, conv), **fx.node.map_aggregate(kwargs, conv))
+    mode = fake_mode()
+
+    def back(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.device.type == "meta":
+            with mode:
+                return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                           device=device or "cpu")
+        return to_fake(v)
+
+    return pytree.tree_map(back, out)
 
 
 def fetch_attr(root: torch.nn.Module, target: str) -> Any:

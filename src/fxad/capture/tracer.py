@@ -43,6 +43,13 @@ Policies:
   naming the user's line.
 * Tensor constructors (``torch.zeros(n)``, ``torch.arange(T)``, ``torch.tensor([...])``) are
   recorded as graph nodes rather than baked in as constants.
+* Values capture can know: small integer CPU tensors (inputs, constants, ``torch.tensor`` of
+  Python data) and what is computed from them alone keep their real values beside the fake
+  ones (``meta['fxad_value']``).  Where the program needs such a value (``int(t)``, a size,
+  the output shape of ``pack_padded_sequence`` from its lengths), capture uses it, the code is
+  specialized on it, and the generated module guards the inputs (and constants) it came from
+  on their values (:mod:`fxad.guards`); other data-dependent questions raise
+  :class:`~fxad.errors.DataDependentError`.
 * In-place operations are recorded out of place and the Python object rebound to the new
   value (``y.add_(1)`` → ``add = y + 1``); the in-place op also runs on the fake value, so
   PyTorch's own errors (a dtype that cannot be cast back, a shape that does not broadcast)
@@ -52,7 +59,11 @@ Policies:
 Node meta keys written here: ``val`` and ``fxad_loc`` (see :mod:`fxad.capture.proxy`),
 ``fxad_input`` (placeholders of the program's inputs), ``fxad_side_effect`` (a buffer update
 such as BatchNorm's ``num_batches_tracked.add_(1)``, kept as an in-place call),
-``fxad_no_grad`` (computed with gradients disabled).
+``fxad_no_grad`` (computed with gradients disabled), ``fxad_value`` (a known value, above),
+``fxad_inplace`` (the user's in-place statement a functional node stands for),
+``fxad_checkpoint`` (the ``torch.utils.checkpoint`` region), ``fxad_custom_function`` (a
+custom ``autograd.Function``, :mod:`fxad.capture.custom`), ``nn_module_stack`` (the modules
+being called, as torch.fx records it).
 """
 from __future__ import annotations
 
@@ -82,7 +93,7 @@ from .proxy import (compute_meta, describe_target, fake_mode, in_meta_computatio
 
 _FACTORIES = (
     "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye",
-    "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices",
+    "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices", "tensor",
 )
 
 _CONV_GRADS = tuple(f"conv{n}d_{w}" for n in (1, 2, 3) for w in ("input", "weight"))
@@ -279,7 +290,7 @@ def _is_view_of(out: Any, base: Any) -> bool:
     """``out`` shares ``base``'s storage as a view (PyTorch's own view tracking)."""
     if not (isinstance(out, torch.Tensor) and isinstance(base, torch.Tensor)):
         return False
-    if out is base or not out._is_view():
+    if out is base:
         return False
     try:
         return out.untyped_storage()._cdata == base.untyped_storage()._cdata
@@ -313,6 +324,22 @@ def _split_dim(name: str, args: tuple, kwargs: dict, ndim: int) -> int | None:
     if len(args) >= 2 and isinstance(args[1], int):
         return args[1] % ndim
     return 0
+
+
+_KNOWN_NUMEL = 1 << 14
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) \
+        or "DataDependent" in type(e).__name__ or "DynamicOutputShape" in type(e).__name__
+
+
+def _from_python_data(args: tuple, kwargs: dict) -> bool:
+    """A factory call whose values come from Python data (``torch.tensor([2, 5, 3])``,
+    ``torch.arange(n)``), not uninitialized memory."""
+    return bool(args) and isinstance(args[0], (list, tuple, int, float, bool))
 
 
 def _same_index(a: Any, b: Any) -> bool:
@@ -402,6 +429,12 @@ class _Capture:
         self.input_roots: dict[int, fx.Node] = {}        # id(input object) -> its node
         self.suspended = 0                        # >0 while running a leaf module's forward
         self.lift: list[Any] | None = None        # control-flow subgraphs: lifted tensors
+        # values fxad can know at capture (small integer inputs and constants, and what is
+        # computed from them only): id(fake) -> real CPU tensor, and the inputs it came from
+        self.known: dict[int, torch.Tensor] = {}
+        self.known_src: dict[int, frozenset[int]] = {}
+        self.value_inputs: set = set()            # inputs / constants whose values it read
+        self.const_objs: dict[int, torch.Tensor] = {}
         self.module_stack: dict[str, tuple[str, type]] = {}  # modules being called
         self.checkpoint_stack: list[int] = []     # torch.utils.checkpoint regions entered
         self.checkpoint_count = 0
@@ -463,6 +496,8 @@ class _Capture:
             node.meta["val"] = to_fake(t)
             self.attr_nodes[path] = node
         return node
+
+
 
     def _new_constant(self, t: torch.Tensor) -> str:
         if isinstance(t, torch.nn.Parameter):
@@ -595,7 +630,13 @@ class _Capture:
         rest = self.arg(tuple(args[1:]), what)
         kw = self.arg(dict(kwargs), what)
         pshape = tuple(par.shape)
-        if name in ("detach", "alias", "view_as") and tuple(child.shape) == pshape \
+        if name == "detach" or (name == "data" and item is None):
+            # a detached alias: the write shows in the base's value, but, as in autograd,
+            # no derivative flows through it (the base keeps its own history)
+            delta = self._emit("call_function", operator.sub, (new, par_node))
+            delta = self._emit("call_method", "detach", (delta,))
+            return self._emit("call_function", operator.add, (par_node, delta))
+        if name in ("alias", "view_as") and tuple(child.shape) == pshape \
                 or name in ("contiguous",):
             return new
         if item is None and target is operator.getitem:
@@ -736,9 +777,125 @@ class _Capture:
         except CaptureError:
             raise
         except Exception as e:
+            if (_is_data_dependent(e) or "data is not allocated" in str(e)) \
+                    and self._knows_some(args, kwargs):
+                try:
+                    return self._compute_with_values(func, args, kwargs)
+                except Exception:  # noqa: BLE001 - report the original failure
+                    pass
             raise _op_error(what, e) from e
         finally:
             self.suspended -= 1
+
+    # -- known values ---------------------------------------------------------------------
+    def _value(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The real value of ``t`` if capture knows it: a known fake, or a small real tensor
+        the program holds that is neither a parameter nor an attribute of the module (those
+        can change between calls)."""
+        if id(t) in self.known:
+            return self.known[id(t)]
+        if isinstance(t, FakeTensor) or isinstance(t, torch.nn.Parameter) \
+                or t.numel() > _KNOWN_NUMEL or t.device.type != "cpu":
+            return None
+        path = self.attr_paths.get(id(t))
+        if path is not None and not path.startswith("_tensor_constant"):
+            return None
+        return t
+
+    def _knows_some(self, *a: Any) -> bool:
+        return any(isinstance(v, torch.Tensor) and self._value(v) is not None
+                   for v in pytree.tree_leaves(a))
+
+    def _compute_with_values(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """An op whose output shape needs the values of its integer arguments
+        (``_pack_padded_sequence(input, lengths)``): run it with the known arguments' values
+        and the others as meta tensors, and return fake results (real values recorded)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        device = next((v.device for v in pytree.tree_leaves((args, kwargs))
+                       if isinstance(v, torch.Tensor) and (v.is_floating_point()
+                                                           or self._value(v) is None)), None)
+
+        def conv(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if self._value(v) is not None and not (v.is_floating_point() or v.is_complex()):
+                return self._value(v)  # the integer arguments whose values decide shapes
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                       device="meta")
+
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            rargs, rkwargs = pytree.tree_map(conv, (args, kwargs))
+            out = func(*rargs, **rkwargs)
+        # the result's shape depends on those values: the inputs they came from are guarded
+        ints = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)
+                and not (v.is_floating_point() or v.is_complex()) and self._value(v) is not None]
+        self.value_inputs |= self._sources(ints)
+        mode = fake_mode()
+
+        def back(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if v.device.type == "meta":
+                with torch._C.DisableTorchFunction(), mode:
+                    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                               device=device or "cpu")
+            fv = to_fake(v.clone())
+            self.known[id(fv)] = v
+            self.known_src[id(fv)] = self._sources(args, kwargs)
+            self.keep.append(fv)
+            return fv
+
+        return pytree.tree_map(back, out)
+
+    def _sources(self, *a: Any) -> frozenset:
+        """The inputs (their positions) and constant tensors (``("const", id)``) a known
+        value is computed from."""
+        out: frozenset = frozenset()
+        for v in pytree.tree_leaves(a):
+            if isinstance(v, torch.Tensor):
+                if id(v) in self.known_src:
+                    out = out | self.known_src[id(v)]
+                elif not isinstance(v, FakeTensor):
+                    self.const_objs[id(v)] = v
+                    out = out | {("const", id(v))}
+        return out
+
+    def note_known(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """``out``'s real value when every tensor the op reads is known (small integer inputs,
+        constants, what was computed from them), for data-dependent questions about it."""
+        name = getattr(func, "__name__", "")
+        if name.startswith(("rand", "empty", "normal", "bernoulli", "multinomial", "poisson",
+                            "dropout", "uniform", "exponential", "geometric", "cauchy")):
+            return
+        tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if any(self._value(v) is None for v in tensors):
+            return
+        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        if not outs or any(v.numel() > _KNOWN_NUMEL or v.is_floating_point() and
+                           v.numel() > 64 for v in outs):
+            return
+        if not tensors and not _from_python_data(args, kwargs):
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def real(v: Any) -> Any:
+            return self._value(v) if isinstance(v, torch.Tensor) else v
+
+        try:
+            rargs, rkwargs = pytree.tree_map(real, (args, kwargs))
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                rout = func(*rargs, **rkwargs)
+        except Exception:  # noqa: BLE001 - not knowable: stays unknown
+            return
+        src = self._sources(args, kwargs)
+        for fv, rv in zip(pytree.tree_leaves(out), pytree.tree_leaves(rout)):
+            if isinstance(fv, torch.Tensor) and isinstance(rv, torch.Tensor) \
+                    and tuple(fv.shape) == tuple(rv.shape):
+                self.known[id(fv)] = rv
+                self.known_src[id(fv)] = src
+                node = self.env.get(id(fv))
+                if node is not None:
+                    node.meta["fxad_value"] = rv
 
     def record(self, kind: str, target: Any, args: tuple, kwargs: dict, val: Any,
                what: str) -> fx.Node:
@@ -787,6 +944,9 @@ class _Capture:
         if prop is not None:
             return self._property(func, prop, args, kwargs)
         if method in _DATA_METHODS or func in _DATA_FUNCTIONS:
+            known, answer = self._known_answer(func, args, kwargs)
+            if known:
+                return answer
             self._data_dependent(method or getattr(func, "__name__", "op"), args)
         if method == "__setitem__":
             return self._setitem(func, args, kwargs)
@@ -850,7 +1010,27 @@ class _Capture:
         node = self.record(kind, target, nargs, kwargs, out, what)
         self.bind_outputs(out, node)
         self.note_views(out, kind, target, nargs, kwargs)
+        self.note_known(func, args, kwargs, out)
+        for v in pytree.tree_leaves(out):  # values computed with known arguments' values
+            if isinstance(v, torch.Tensor) and id(v) in self.known and id(v) in self.env:
+                self.env[id(v)].meta["fxad_value"] = self.known[id(v)]
         return out
+
+    def _known_answer(self, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """(True, answer) for a question about data fxad knows (``int(batch_sizes[0])`` of a
+        packed sequence built from constant lengths); the inputs it came from are then guarded
+        on their values."""
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not tensors or any(self._value(t) is None for t in tensors):
+            return False, None
+        from torch.utils._python_dispatch import _disable_current_modes
+        real = pytree.tree_map(lambda v: self._value(v) if isinstance(v, torch.Tensor)
+                               else v, (args, kwargs))
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            answer = func(*real[0], **real[1])
+        for src in self._sources(tensors):
+            self.value_inputs.add(src)
+        return True, answer
 
     def _data_dependent(self, name: str, args: tuple) -> None:
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -906,6 +1086,19 @@ class _Capture:
             # through the view ``t``, and storing ``t`` back is a no-op, as in eager
             self.compute(func, args, kwargs, "Tensor.__setitem__")
             return None
+        if isinstance(index, torch.Tensor) and index.dim() == 0 and index.dtype == torch.bool:
+            # x[flag] = v with a 0-d boolean tensor: every element or none, whatever the data
+            # (a static shape): torch.where(flag, v, x)
+            val = self.compute(torch.where, (index, value, x), {}, "Tensor.__setitem__")
+            if tuple(val.shape) != tuple(x.shape):
+                raise InplaceError("x[flag] = v with a value that does not broadcast to x",
+                                   op="Tensor.__setitem__", loc=user_source_loc())
+            new = self.record("call_function", torch.where, (index, value, x), {}, val,
+                              "Tensor.__setitem__")
+            if val.dtype != x.dtype:
+                new = self._emit("call_method", "to", (new, x.dtype))
+            self._commit(x, new, "Tensor.__setitem__")
+            return None
         val = self.compute(functional_setitem, (x, index, value), {}, "Tensor.__setitem__")
         self.compute(func, args, kwargs, "Tensor.__setitem__")  # PyTorch's own checks
         new = self.record("call_function", functional_setitem, (x, index, value), {}, val,
@@ -934,7 +1127,10 @@ class _Capture:
         if kind == "call_function" and target in _IDUNDER.values():
             okw = {}
         name = getattr(func, "__name__", "")
-        if kind == "call_method" and not hasattr(torch.Tensor, target):
+        if kind == "call_method" and (not hasattr(torch.Tensor, target)
+                                      or name in _RANDOM_INPLACE):
+            # (an in-place draw has an out-of-place namesake, x.bernoulli(p), that draws into
+            # a contiguous tensor: a different stream for strided x)
             return self._inplace_special(func, name, args, kwargs, what)
         oop_fn = getattr(torch.Tensor, target) if kind == "call_method" else target
         val = self.compute(oop_fn, args, okw, what)  # before x changes
@@ -1073,7 +1269,8 @@ class _Capture:
 _COND_HINT = (
     "fxad traces one path for the example inputs' shapes; for a choice between values use "
     "torch.where(pred, a, b), and for a choice between code paths use torch.cond, e.g.\n"
-    "        y = torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))")
+    "        def positive(x): return x.sin()\n"
+    "        y = torch.cond(x.sum() > 0, positive, lambda x: x.cos(), (x,))")
 
 
 def _op_error(what: str, e: Exception) -> CaptureError:
@@ -1364,6 +1561,14 @@ def _inputs(cap: _Capture, names: list[str], examples: Sequence[Any]) -> list[An
             v = _program_value(example)
             cap.track(v, ph)
             cap.input_roots[id(v)] = ph
+            if not (example.is_floating_point() or example.is_complex()) \
+                    and example.device.type == "cpu" and example.numel() <= _KNOWN_NUMEL \
+                    and not isinstance(example, FakeTensor):
+                # a small integer input: its value is known, and guarded if the program
+                # reads it (lengths of a packed sequence)
+                cap.known[id(v)] = example.detach().clone()
+                cap.known_src[id(v)] = frozenset({len(values)})
+                ph.meta["fxad_value"] = cap.known[id(v)]
             values.append(v)
         elif isinstance(example, (tuple, list, dict)) and _has_tensor(example):
             values.append(_unpack(cap, ph, example))
@@ -1451,6 +1656,11 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
         if n.meta.get("fxad_auto_getitem") and not n.users:
             cap.graph.erase_node(n)
     gm = fx.GraphModule(cap.root, cap.graph, class_name=name)
+    # inputs and constant tensors whose values the trace read: guarded on their values
+    gm.meta["fxad_value_inputs"] = sorted(v for v in cap.value_inputs if isinstance(v, int))
+    gm.meta["fxad_value_constants"] = [
+        (cap.const_objs[k[1]], cap.const_objs[k[1]].clone()) for k in cap.value_inputs
+        if not isinstance(k, int) and k[1] in cap.const_objs]
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
     return gm

@@ -49,6 +49,14 @@ def is_random(node: fx.Node) -> bool:
                                                         "log_normal_", "random_")
 
 
+def draws_random(node: fx.Node) -> bool:
+    """``node`` draws random numbers (:func:`is_random` without uninitialized memory:
+    ``torch.empty_like(x)`` is kept apart from equal nodes like a draw, but what a program
+    writes into it is not random, e.g. the inverse permutation of ``pack_padded_sequence``)."""
+    return is_random(node) and not (node.op == "call_function"
+                                     and node.target in (torch.empty, torch.empty_like))
+
+
 F = torch.nn.functional
 # ops that draw random numbers in training mode: the flag's name, position and default
 _TRAINING_RANDOM = {

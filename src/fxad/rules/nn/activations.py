@@ -314,7 +314,9 @@ _pointwise(F.selu, lambda input, inplace=False: F.selu(input),
            "elu_backward)")
 _pointwise(F.leaky_relu,
            lambda input, negative_slope=0.01, inplace=False: F.leaky_relu(input, negative_slope),
-           lambda x, y, s, inplace: _where(x > 0, 1.0, float(s)),
+           # a tensor branch, so the slope keeps x's precision (two Python numbers would
+           # make a float32 result)
+           lambda x, y, s, inplace: _where(x > 0, torch.ones_like(x), float(s)),
            "leaky_relu: d_x = d * (1 if x > 0 else slope) (derivatives.yaml `leaky_relu`)")
 _pointwise(F.hardtanh,
            lambda input, min_val=-1.0, max_val=1.0, inplace=False: F.hardtanh(input, min_val,

@@ -48,13 +48,15 @@ def _sdpa_check(q: Any, k: Any, enable_gqa: bool) -> int:
 def _sdpa_dropout_fwd(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_causal: bool,
                       scale: Any, group: int) -> tuple[Any, Any, Any]:
     """Attention with dropout on the probabilities, written out: ``(P * M) v`` with the
-    dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` drawn in the generated forward.
+    dropout mask ``M = bernoulli(1 - p) / (1 - p)`` drawn in the generated forward as eager
+    PyTorch's CPU attention draws it (``empty_like(P).bernoulli_(1 - p)``: the same masks
+    under the same seed).
     Returns ``(out, P, M)``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if group > 1:
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     p = _sdpa_scores(q, k, mask, is_causal, scale)
-    keep = (torch.rand_like(p) >= dropout_p).to(p.dtype) / (1.0 - dropout_p)
+    keep = torch.empty_like(p).bernoulli_(1.0 - dropout_p) / (1.0 - dropout_p)
     return (p * keep) @ v, p, keep
 
 
@@ -78,7 +80,8 @@ class ScaledDotProductAttention:
     over each group.
 
     ``dropout_p > 0``: the probabilities are computed in the generated forward and multiplied
-    by a dropout mask ``M = (rand_like(P) >= p) / (1 - p)`` saved for the backward, y = (P*M) v
+    by a dropout mask ``M = bernoulli(1 - p) / (1 - p)`` (drawn as eager PyTorch draws it)
+    saved for the backward, y = (P*M) v
     (as PyTorch's math reference does; the mask differs from the fused kernel's for the same
     seed, with the same distribution): d_v = (P*M)^T d, dP = (d v^T) * M, then as above."""
 

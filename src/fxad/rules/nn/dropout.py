@@ -23,11 +23,13 @@ once, in the forward, and saved; the backward multiplies the cotangent by it
 dropouts, the ``mul`` by the noise tensor), and the JVP multiplies the tangent by it.  The
 backward never draws.
 
-No such guarantee where PyTorch itself uses other kernels: on CUDA (and XPU, lazy and
-PrivateUse1 devices) ``F.dropout`` calls the fused ``native_dropout`` kernel, whose Philox
-stream differs from ``bernoulli_``'s, and ``torch.compile``/inductor generates its own
-random numbers (unless ``torch._inductor.config.fallback_random``).  The distribution is the
-same there, the numbers are not.
+On CUDA (and XPU, lazy and PrivateUse1 devices) eager ``F.dropout`` calls the fused
+``native_dropout`` kernel instead (ATen's ``is_fused_kernel_acceptable``), and so does the
+generated code for a tensor traced on such a device (``torch.native_dropout(x, p, True)``,
+d_x = d * mask * scale): the same kernel, but unlike the CPU path this is not covered by
+fxad's tests (no GPU in CI).  ``torch.compile``/inductor generates its own random numbers
+(unless ``torch._inductor.config.fallback_random``): the distribution is the same there, the
+numbers are not.
 """
 from __future__ import annotations
 
@@ -71,6 +73,11 @@ def _dropout_fwd(input: Any, p: float, training: bool, *, feature: bool = False,
         return input, "identity"
     if p == 1.0:  # input.mul(zeros({})): zeros, with NaN where the input is NaN
         return input * 0.0, "zero"
+    if not (feature or alpha) and _fused_device(input):
+        # ATen's `dropout` on CUDA/XPU/lazy/PrivateUse1 (is_fused_kernel_acceptable): the
+        # fused native_dropout kernel, so the generated code calls it too
+        both = torch.native_dropout(input, p, True)
+        return both[0], (both[1], 1.0 / (1 - p))
     noise = _noise(input, p, feature, unbatched)
     if alpha:
         a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
@@ -81,9 +88,20 @@ def _dropout_fwd(input: Any, p: float, training: bool, *, feature: bool = False,
     return input * mask, mask
 
 
+def _fused_device(input: Any) -> bool:
+    """Whether eager ``F.dropout`` runs the fused ``native_dropout`` kernel on ``input``'s
+    device (ATen's ``is_fused_kernel_acceptable``; the CPU runs ``_dropout_impl``)."""
+    return input.device.type in _FUSED_DEVICES
+
+
+_FUSED_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
+
+
 def _dropout_bwd(mask: Any, d: Any) -> Any:
     if isinstance(mask, str):
         return d if mask == "identity" else None
+    if isinstance(mask, tuple):  # (boolean mask, scale) of native_dropout
+        return d * mask[0] * mask[1]
     return d * mask
 
 

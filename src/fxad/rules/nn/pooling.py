@@ -841,7 +841,8 @@ def _fractional_rule(nd: int, op: Any, with_indices: Any) -> type:
     FractionalMaxPool.__doc__ = (
         f"y = max over pseudo-random windows: without ``_random_samples`` the generated "
         f"forward draws ``torch.rand(N, C, {nd}, dtype=x.dtype)`` as torch/nn/functional.py "
-        f"does (the same windows as eager under the same seed), then calls ``fractional_max_pool{nd}d_with_indices`` "
+        f"does (the same windows as eager under the same seed), then calls "
+        f"``fractional_max_pool{nd}d_with_indices`` "
         f"with them; d_x = d scatter-added at the argmax indices, t_y = t gathered there "
         f"(derivatives.yaml `fractional_max_pool{nd}d`: fractional_max_pool{nd}d_backward).")
     return builtin(op)(FractionalMaxPool)

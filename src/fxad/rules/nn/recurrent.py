@@ -57,13 +57,15 @@ on the lengths' values.)
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+import sys
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from .. import fused
-from .._base import _add, _emit, _error, builtin, randn, value_of
+from .._base import _add, _error, builtin, randn, value_of
 from ..registry import needs_cotangent
 
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -596,6 +598,34 @@ class _Direction:
 _ONEDNN_LSTM = 2  # ideep::rnn_kind::LSTM, the ``mode`` of aten.mkldnn_rnn_layer
 
 
+def _not_compiled(fn: Callable) -> Callable:
+    """``fn`` run eagerly also inside code ``torch.compile`` traces (``fxad.joint_step``):
+    a graph break around it, as around eager ``nn.LSTM``'s own call (the oneDNN kernel keeps
+    its workspace only when called with gradients enabled, which a traced graph does not
+    reproduce).  ``torch._dynamo`` is not imported for it: without it nothing compiles."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        disabled = fn.__dict__.get("_fxad_not_compiled")
+        if disabled is None:
+            disabled = dynamo.disable(fn, recursive=True, wrapping=False)
+            fn._fxad_not_compiled = disabled  # type: ignore[attr-defined]
+        return disabled(*args, **kwargs)
+    return call
+
+
+def _call_node(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` as one graph node (``fn`` itself, not what it wraps) when an argument
+    is a proxy."""
+    for a in args:
+        if isinstance(a, fx.Proxy):
+            return a.tracer.create_proxy("call_function", fn, args, {})
+    return fn(*args)
+
+
+@_not_compiled
 def onednn_lstm_layer(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
                       b_ih: torch.Tensor, b_hh: torch.Tensor, hx: torch.Tensor,
                       cx: torch.Tensor, reverse: bool, has_biases: bool,
@@ -613,6 +643,7 @@ def onednn_lstm_layer(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tenso
                                                has_biases, False, False, train)
 
 
+@_not_compiled
 def onednn_lstm_layer_backward(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
                                b_ih: torch.Tensor, b_hh: torch.Tensor, hx: torch.Tensor,
                                cx: torch.Tensor, output: torch.Tensor, hy: torch.Tensor,
@@ -680,7 +711,7 @@ class _OneDNNDirection:
         b_hh = self.b_hh if self.has_biases else self.w_hh
         self.b = (b_ih, b_hh)
         self.h0, self.c0 = h0, c0
-        res = _emit(onednn_lstm_layer, self.x, self.w_ih, self.w_hh, b_ih, b_hh, h0, c0,
+        res = _call_node(onednn_lstm_layer, self.x, self.w_ih, self.w_hh, b_ih, b_hh, h0, c0,
                     self.reverse, self.has_biases, self.train)
         self.y, self.h_n, self.c_n, self.workspace = res[0], res[1], res[2], res[3]
         return torch.reshape(self.y, (T * B, H)), self.h_n, self.c_n
@@ -688,7 +719,7 @@ class _OneDNNDirection:
     def backward(self, d_y: Any, d_hn: Any, d_cn: Any, need_input: bool) -> dict[str, Any]:
         T, B, H = self.steps, self.batch, self.h_size
         d_y3 = None if d_y is None else torch.reshape(d_y, (T, B, H))
-        res = _emit(onednn_lstm_layer_backward, self.x, self.w_ih, self.w_hh, self.b[0],
+        res = _call_node(onednn_lstm_layer_backward, self.x, self.w_ih, self.w_hh, self.b[0],
                     self.b[1], self.h0, self.c0, self.y, self.h_n, self.c_n, d_y3, d_hn, d_cn,
                     self.reverse, self.has_biases, self.train, self.workspace)
         d_x, d_w_ih, d_w_hh, d_b, d_b2, d_h0, d_c0 = (res[k] for k in range(7))
@@ -1155,3 +1186,95 @@ class RNNReluCell:
 
     def samples(dtype):
         yield from _cell_samples("rnn_relu", dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: pack_padded_sequence / pad_packed_sequence
+# ---------------------------------------------------------------------------------------------
+
+def _packed_rows(batch_sizes: list[int], batch: int) -> list[int]:
+    """Rows of the time-major padded batch (``t * batch + b``) that a packed sequence keeps,
+    in its order: step by step, the first ``batch_sizes[t]`` sequences (sorted by length)."""
+    return [t * batch + b for t, n in enumerate(batch_sizes) for b in range(n)]
+
+
+@builtin(torch._pack_padded_sequence)
+class PackPaddedSequence:
+    """``_pack_padded_sequence(input, lengths, batch_first) -> (data, batch_sizes)``: the rows
+    of the padded batch the (sorted) lengths keep, step by step.  d_input = d_data written back
+    at those rows, zeros elsewhere (derivatives.yaml `_pack_padded_sequence`:
+    _pack_padded_sequence_backward); the JVP packs the tangent.  The lengths' values are read
+    when the code is written (capture records them: a constant, or an input fxad guards)."""
+
+    residuals = "nothing"
+
+    def fwd(input, lengths, batch_first):
+        out = torch._pack_padded_sequence(input, lengths, batch_first)
+        lens = _constant_ints(lengths, "torch._pack_padded_sequence")
+        return out, (tuple(input.shape), lens, batch_first)
+
+    def bwd(aux, d):
+        shape, lens, batch_first = aux
+        d_data = d[0] if isinstance(d, (tuple, list)) else d
+        if d_data is None:
+            return (None, None, None)
+        T, B = (shape[1], shape[0]) if batch_first else (shape[0], shape[1])
+        sizes = [sum(1 for n in lens if n > t) for t in range(max(lens))]
+        index = torch.tensor(_packed_rows(sizes, B), device=d_data.device)
+        flat = torch.zeros((T * B,) + tuple(shape[2:]), dtype=d_data.dtype,
+                           device=d_data.device).index_copy(0, index, d_data)
+        d_in = flat.reshape((T, B) + tuple(shape[2:]))
+        return (d_in.transpose(0, 1) if batch_first else d_in, None, None)
+
+    def jvp(primals, tangents):
+        (x, lengths, batch_first), t = primals, tangents[0]
+        out = torch._pack_padded_sequence(x, lengths, batch_first)
+        if t is None:
+            return out, None
+        return out, (torch._pack_padded_sequence(t, lengths, batch_first)[0], None)
+
+    def samples(dtype):
+        yield (randn(5, 3, 2, dtype=dtype), torch.tensor([5, 3, 2]), False), {}
+        yield (randn(3, 4, 2, dtype=dtype), torch.tensor([4, 4, 1]), True), {}
+
+
+@builtin(torch._pad_packed_sequence)
+class PadPackedSequence:
+    """``_pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length) ->
+    (padded, lengths)``: the packed rows written into a padded batch.  d_data = the cotangent
+    of the padded batch read at those rows (derivatives.yaml `_pad_packed_sequence`: the
+    padded gradient packed again); the JVP pads the tangent with zeros.  The batch sizes'
+    values are read when the code is written."""
+
+    residuals = "nothing"
+
+    def fwd(data, batch_sizes, batch_first, padding_value, total_length):
+        out = torch._pad_packed_sequence(data, batch_sizes, batch_first, padding_value,
+                                         total_length)
+        sizes = _constant_ints(batch_sizes, "torch._pad_packed_sequence")
+        return out, (sizes, batch_first)
+
+    def bwd(aux, d):
+        sizes, batch_first = aux
+        d_pad = d[0] if isinstance(d, (tuple, list)) else d
+        if d_pad is None:
+            return (None,) * 5
+        if batch_first:
+            d_pad = d_pad.transpose(0, 1)
+        T, B = d_pad.shape[0], d_pad.shape[1]
+        index = torch.tensor(_packed_rows(sizes, B), device=d_pad.device)
+        flat = d_pad.reshape((T * B,) + tuple(d_pad.shape[2:]))
+        return (flat.index_select(0, index), None, None, None, None)
+
+    def jvp(primals, tangents):
+        (data, batch_sizes, batch_first, padding_value, total_length), t = primals, tangents[0]
+        out = torch._pad_packed_sequence(data, batch_sizes, batch_first, padding_value,
+                                         total_length)
+        if t is None:
+            return out, None
+        return out, (torch._pad_packed_sequence(t, batch_sizes, batch_first, 0.0,
+                                                total_length)[0], None)
+
+    def samples(dtype):
+        yield (randn(10, 2, dtype=dtype), torch.tensor([3, 3, 2, 1, 1]), False, 0.0, 5), {}
+        yield (randn(10, 2, dtype=dtype), torch.tensor([3, 3, 2, 1, 1]), True, 0.0, 6), {}
