@@ -343,11 +343,6 @@ def _fallback_ops(g: Any) -> set[str]:
 def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleOutcome:
     import fxad
 
-    if float(sample.kwargs.get("dropout_p", 0.0) or 0.0) > 0.0:
-        # attention dropout: fxad's rule draws its mask with rand_like, not with the kernel
-        # eager's fused attention uses, so the masks differ under the same seed;
-        # tests/test_nn_rules.py checks it with a replayed mask
-        return _SampleOutcome("skip", "random sample (attention dropout_p > 0)")
     leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
     if not slots:

@@ -19,7 +19,7 @@ and it can be differentiated again (second order through ``cond``).
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -82,6 +82,15 @@ def _floating(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
+def _zeros_for(ts: Any, vals: Sequence[Any]) -> tuple:
+    """Tangents or cotangents ``ts`` (``None`` for zero) aligned with values ``vals``: zeros
+    written into the code for the floating ones (the generated loop bodies take tensors)."""
+    ts = list(ts) if ts is not None else [None] * len(vals)
+    return tuple(t if t is not None or not _floating(v) else
+                 torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
+                 for t, v in zip(ts, vals))
+
+
 def cond_rule(node: fx.Node) -> Rule:
     def fwd(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> tuple[Any, Any]:
         em = true_fn.tracer
@@ -119,10 +128,7 @@ def cond_rule(node: fx.Node) -> Rule:
         ex = _examples(operands)
         t_jvp = _derivative("jvp", _module(true_fn), ex, em)
         f_jvp = _derivative("jvp", _module(false_fn), ex, em)
-        tans = list(tangents[3] or [None] * len(operands))
-        tans = [t if t is not None or not _floating(v) else
-                torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
-                for t, v in zip(tans, ex)]
+        tans = _zeros_for(tangents[3], ex)
         tj = _attach(em, t_jvp, "true_branch_jvp")
         fj = _attach(em, f_jvp, "false_branch_jvp")
         res = em.create_proxy("call_function", ops.cond,
@@ -151,10 +157,7 @@ def while_loop_rule(node: fx.Node) -> Rule:
         ex = _examples(tuple(carried) + tuple(additional))
         b_vjp = _derivative("vjp", _module(body_fn), ex, em)
         bv = _attach(em, b_vjp, "loop_body_vjp")
-        cots = tuple(d_out) if d_out is not None else (None,) * len(carried)
-        cots = tuple(c if c is not None or not _floating(v) else
-                     torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
-                     for c, v in zip(cots, ex[:len(carried)]))
+        cots = _zeros_for(d_out, ex[:len(carried)])
         res = em.create_proxy("call_function", ops.while_loop_vjp,
                               (cond_fn, body_fn, bv, tuple(carried), tuple(additional), cots), {})
         grads = [em.create_proxy("call_function", operator.getitem, (res, k), {})
@@ -170,16 +173,10 @@ def while_loop_rule(node: fx.Node) -> Rule:
         b_jvp = _derivative("jvp", _module(body_fn), ex, em)
         bj = _attach(em, b_jvp, "loop_body_jvp")
 
-        def zeros_for(ts: Any, vals: tuple) -> tuple:
-            ts = list(ts or [None] * len(vals))
-            return tuple(t if t is not None or not _floating(v) else
-                         torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
-                         for t, v in zip(ts, vals))
-
         n = len(carried)
         res = em.create_proxy("call_function", ops.while_loop_jvp,
-                              (cond_fn, bj, tuple(carried), zeros_for(tangents[2], ex[:n]),
-                               tuple(additional), zeros_for(tangents[3], ex[n:])), {})
+                              (cond_fn, bj, tuple(carried), _zeros_for(tangents[2], ex[:n]),
+                               tuple(additional), _zeros_for(tangents[3], ex[n:])), {})
         value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
         tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
         return value, tangent
@@ -198,12 +195,6 @@ def scan_rule(node: fx.Node) -> Rule:
                                 (body, init, xs, additional, dim, reverse), {})
         return value, (body, init, xs, additional, dim, reverse)
 
-    def _zeros(ts: Any, vals: tuple) -> tuple:
-        ts = list(ts) if ts is not None else [None] * len(vals)
-        return tuple(t if t is not None or not _floating(v) else
-                     torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
-                     for t, v in zip(ts, vals))
-
     def bwd(aux: Any, d_out: Any) -> tuple:
         body, init, xs, additional, dim, reverse = aux
         em = body.tracer
@@ -215,7 +206,7 @@ def scan_rule(node: fx.Node) -> Rule:
         bv = _attach(em, b_vjp, "scan_body_vjp")
         out_val = node.meta["val"]
         d_carry, d_ys = (d_out if d_out is not None else (None, None))
-        d_carry = _zeros(d_carry, out_val[0])
+        d_carry = _zeros_for(d_carry, out_val[0])
         d_ys = tuple(d_ys) if d_ys is not None else (None,) * len(out_val[1])
         res = em.create_proxy("call_function", ops.scan_vjp,
                               (body, bv, tuple(init), tuple(xs), tuple(additional), dim,
@@ -236,8 +227,9 @@ def scan_rule(node: fx.Node) -> Rule:
         bj = _attach(em, b_jvp, "scan_body_jvp")
         res = em.create_proxy("call_function", ops.scan_jvp,
                               (bj, tuple(init), tuple(xs), tuple(additional), dim, reverse,
-                               _zeros(tangents[1], ex[:nc]), _zeros(tangents[2], ex[nc:nc + nx]),
-                               _zeros(tangents[3], ex[nc + nx:])), {})
+                               _zeros_for(tangents[1], ex[:nc]),
+                               _zeros_for(tangents[2], ex[nc:nc + nx]),
+                               _zeros_for(tangents[3], ex[nc + nx:])), {})
         value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
         tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
         return value, tangent

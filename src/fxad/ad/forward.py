@@ -43,19 +43,17 @@ Meta keys written on the JVP graph:
 from __future__ import annotations
 
 import inspect
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..rules.complex import select as complex_select
 from ..capture.proxy import Emitter
 from ..errors import RuleError
-from ..rules.registry import Rule, lookup, missing_rule
-from .reverse import (ReverseTransform, _is_structural_getitem, activity, has_float, is_float,
-                      node_desc, rule_errors, rule_for, rule_key)
+from ..rules.registry import Rule, missing_rule
+from .reverse import (ReverseTransform, _is_structural_getitem, activity, copy_node, has_float,
+                      is_float, node_desc, rule_errors, rule_for)
 
 _STRUCT = (tuple, list, dict)
 TANGENT_PREFIX = "dot_"
@@ -155,15 +153,7 @@ class ForwardTransform:
         return None
 
     def _copy(self, node: fx.Node) -> Any:
-        if node.op == "call_function" and node.target is operator.getitem \
-                and isinstance(node.args[0], fx.Node) \
-                and isinstance(self.env.get(node.args[0]), (tuple, list)):
-            # an item of a rule's Python tuple result (``out, idx = pool(...)``)
-            return self.env[node.args[0]][node.args[1]]
-        new = self.graph.node_copy(node, lambda x: fx.node.map_aggregate(
-            self.env[x], lambda v: v.node if isinstance(v, fx.Proxy) else v))
-        new.meta = dict(node.meta)
-        return self.em.value(new)
+        return copy_node(node, self.graph, self.em, self.env)
 
     # -- sweep ---------------------------------------------------------------------------------
     def run(self) -> tuple[list[fx.Node], fx.Node]:

@@ -85,6 +85,21 @@ def node_desc(gm: fx.GraphModule, node: fx.Node) -> str:
     return describe_target(node.op, node.target)
 
 
+def copy_node(node: fx.Node, graph: fx.Graph, em: Emitter, env: dict) -> Any:
+    """``node`` copied into ``graph`` with its arguments mapped through ``env`` (source node ->
+    proxy, or a rule's Python tuple of proxies); an item of such a tuple (``out, idx =
+    pool(...)``) is that proxy itself.  Used by both engines for the nodes they do not
+    differentiate."""
+    if node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(node.args[0], fx.Node) \
+            and isinstance(env.get(node.args[0]), (tuple, list)):
+        return env[node.args[0]][node.args[1]]
+    new = graph.node_copy(node, lambda x: fx.node.map_aggregate(
+        env[x], lambda v: v.node if isinstance(v, fx.Proxy) else v))
+    new.meta = dict(node.meta)
+    return em.value(new)
+
+
 @contextlib.contextmanager
 def rule_errors(gm: fx.GraphModule, node: fx.Node, phase: str) -> Any:
     """Run a rule's ``fwd``/``bwd``/``jvp`` so that no exception escapes bare: an fxad error
@@ -199,15 +214,7 @@ class ReverseTransform:
         return fx.node.map_aggregate(a, lambda x: self.env[x] if isinstance(x, fx.Node) else x)
 
     def _copy(self, node: fx.Node) -> Any:
-        if node.op == "call_function" and node.target is operator.getitem \
-                and isinstance(node.args[0], fx.Node) \
-                and isinstance(self.env.get(node.args[0]), (tuple, list)):
-            # an item of a rule's Python tuple result (``out, idx = pool(...)``)
-            return self.env[node.args[0]][node.args[1]]
-        new = self.graph.node_copy(node, lambda x: fx.node.map_aggregate(
-            self.env[x], lambda v: v.node if isinstance(v, fx.Proxy) else v))
-        new.meta = dict(node.meta)
-        return self.em.value(new)
+        return copy_node(node, self.graph, self.em, self.env)
 
     # -- forward sweep -------------------------------------------------------------------------
     def forward(self) -> tuple[list[fx.Node], Any]:

@@ -332,7 +332,7 @@ def eager_semantics(f: Any = None) -> Iterator[None]:
     PyTorch runs its own versions through ``torch.compile``, which cannot run under the
     dispatch modes :func:`fxad.check` uses (and, cached across calls, gave wrong gradients
     for ``while_loop`` in our tests).  fxad's capture still sees them as control flow."""
-    from .tracer import _CellSlot, _DictSlot, _user_globals
+    from .tracer import _user_globals, namespace_patches
     impl = {"cond": _eager_cond, "while_loop": _eager_while_loop, "scan": _eager_scan,
             "map": _eager_map}
     patched: list[tuple[Any, str, Any, Any]] = []
@@ -356,18 +356,7 @@ def eager_semantics(f: Any = None) -> Iterator[None]:
         originals[id(orig)] = impl[name]
         patched.append((ns, name, orig, impl[name]))
     if f is not None:
-        for space in _user_globals(f):
-            if isinstance(space, dict):
-                for name, val in list(space.items()):
-                    if id(val) in originals:
-                        patched.append((_DictSlot(space), name, val, originals[id(val)]))
-            else:
-                try:
-                    val = space.cell_contents
-                except ValueError:
-                    continue
-                if id(val) in originals:
-                    patched.append((_CellSlot(space), "cell_contents", val, originals[id(val)]))
+        patched.extend(namespace_patches(_user_globals(f), originals))
     try:
         for ns, name, _, new in patched:
             setattr(ns, name, new)

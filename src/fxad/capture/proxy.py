@@ -25,7 +25,7 @@ import operator
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx

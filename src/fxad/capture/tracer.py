@@ -1427,18 +1427,7 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
     replaced = {id(orig): new for ns, name, orig, new in patched
                 if ns.__class__.__name__ == "module" and name in ("cond", "while_loop", "scan",
                                                                   "map")}
-    for space in {id(g): g for g in user_globals}.values():
-        if isinstance(space, dict):
-            for name, val in list(space.items()):
-                if id(val) in replaced and callable(val):
-                    patched.append((_DictSlot(space), name, val, replaced[id(val)]))
-        else:  # a closure cell
-            try:
-                val = space.cell_contents
-            except ValueError:
-                continue
-            if id(val) in replaced:
-                patched.append((_CellSlot(space), "cell_contents", val, replaced[id(val)]))
+    patched.extend(namespace_patches(user_globals, replaced))
 
     compiler = torch.compiler
     old_flag = getattr(compiler, "_is_compiling_flag", None)
@@ -1460,6 +1449,26 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
         if old_flag is not None:
             compiler._is_compiling_flag = old_flag
         compiler.is_compiling = old_fn  # type: ignore[assignment]
+
+
+def namespace_patches(spaces: Iterable[Any], replaced: dict[int, Any]
+                      ) -> list[tuple[Any, str, Any, Any]]:
+    """Patch-list entries for the names in module globals (dicts) and closure cells bound to
+    an object in ``replaced`` (``id(original) -> replacement``)."""
+    out: list[tuple[Any, str, Any, Any]] = []
+    for space in {id(g): g for g in spaces}.values():
+        if isinstance(space, dict):
+            for name, val in list(space.items()):
+                if id(val) in replaced and callable(val):
+                    out.append((_DictSlot(space), name, val, replaced[id(val)]))
+        else:  # a closure cell
+            try:
+                val = space.cell_contents
+            except ValueError:
+                continue
+            if id(val) in replaced:
+                out.append((_CellSlot(space), "cell_contents", val, replaced[id(val)]))
+    return out
 
 
 class _CellSlot:

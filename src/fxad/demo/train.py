@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import statistics
 import sys
 import time

@@ -17,7 +17,6 @@ from __future__ import annotations
 import html
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.fx as fx
 

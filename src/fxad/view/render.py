@@ -323,7 +323,7 @@ def _saved_section(model: ViewModel) -> str:
                     f'{100 * s.nbytes / biggest:.1f}%"></div></td></tr>')
     rec = ""
     if model.recomputed:
-        rec = (f" · recomputed in the backward instead: "
+        rec = (" · recomputed in the backward instead: "
                + ", ".join(f"<code>{_esc(r)}</code>" for r in model.recomputed))
     return (f'<section class="fxv-sec fxv-saved-sec"><div class="fxv-sec-head"><h2>Saved tensors'
             f'</h2><small>{len(model.saved)} values, {fmt_bytes(model.saved_bytes)} kept from the '
