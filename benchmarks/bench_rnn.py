@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fxad import paired_ratio, sync, time_interleaved  # noqa: E402
+from bench_fxad import paired_ratio, time_interleaved  # noqa: E402
 
 import fxad  # noqa: E402
 

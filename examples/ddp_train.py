@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import time
@@ -88,6 +89,17 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
+    train(args, release)
+    # Everything that holds the process group (DDP reducers, comm-hook futures, FSDP states)
+    # is gone once train() returns; destroying the group while they were alive let gloo's
+    # worker threads outlive the interpreter now and then (an abort at exit).  On an error
+    # torchrun stops the other ranks, so there is no barrier to hang on.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, release) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.float64 if args.float64 else torch.float32
     torch.manual_seed(0)  # the same initial model on every rank
@@ -166,7 +178,6 @@ def main() -> None:
     if not args.fsdp:
         summary += f"; parameter checksums per rank: {[round(float(t), 10) for t in sums]}"
     print(summary, flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import warnings
 
 import pytest

@@ -22,7 +22,7 @@ from fxad.memory import simulate
 from fxad.view import View, demo_module
 from fxad.view.browser import find_chromium, playwright_available
 from fxad.view.layout import crossings, layered_layout, place
-from fxad.view.model import build, fmt_bytes
+from fxad.view.model import fmt_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1333,7 +1333,7 @@ def _node_form(func: Any, method: str | None, args: tuple) -> tuple[str, Any, tu
 
 @contextlib.contextmanager
 def _capture_environment(cap: _Capture) -> Iterator[None]:
-    """``torch.compiler.is_compiling()`` true; module calls, custom ``autograd.Function``\ s,
+    """``torch.compiler.is_compiling()`` true; module calls, custom ``autograd.Function`` classes,
     checkpoint regions and the Python-level convolution gradients routed through the active
     capture.  Nested captures (a custom Function's backward) only switch the active one."""
     prev = getattr(_STATE, "capture", None)
