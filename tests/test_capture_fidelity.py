@@ -240,3 +240,87 @@ def test_checkpoint_regions_are_marked():
     torch.autograd.backward(m(x))
     for n, p in m.named_parameters():
         torch.testing.assert_close(grads[n], p.grad)
+
+
+def test_tensor_type_cast_is_normalized_to_to():
+    # x.type(torch.float32) (DeepSeek-V3, RecurrentGemma) and x.type("torch.DoubleTensor")
+    def f(x):
+        return (x.type(torch.float32).type(torch.float64) * x.type("torch.DoubleTensor")
+                + x.type(dtype=torch.float64)).sum()
+
+    x = torch.randn(5, dtype=torch.float64)
+    g = fxad.grad(f, x)
+    assert ".type(" not in g.code and ".to(torch.float32)" in g.code
+    rx = x.clone().requires_grad_()
+    f(rx).backward()
+    torch.testing.assert_close(g(x)[1][0], rx.grad)
+
+
+def test_requires_grad_assignment_inside_the_program():
+    # `h.requires_grad = True` on a value fxad already differentiates through (transformers'
+    # feature encoders) is a no-op; `= False` on a non-leaf fails as in eager, as an fxad error
+    lin = torch.nn.Linear(3, 3).double()
+
+    def f(x):
+        h = x[:, None]
+        h.requires_grad = True
+        return lin(h).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    g = fxad.grad(f, x)
+    rx = x.clone().requires_grad_()
+    torch.testing.assert_close(g(x)[1][0], torch.autograd.grad(lin(rx[:, None]).sum(), rx)[0])
+
+    def bad(x):
+        h = x * 2
+        h.requires_grad = False
+        return h.sum()
+
+    with pytest.raises(fxad.CaptureError, match="requires_grad") as e:
+        fxad.grad(bad, x)
+    assert "test_capture_fidelity.py" in str(e.value)
+
+
+def test_numpy_scalars_become_python_numbers_in_the_code():
+    import numpy as np
+
+    def f(x):
+        return (x * np.sqrt(np.float64(2.0)) + np.int64(3)).sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    g = fxad.grad(f, x)
+    assert "np." not in g.code and "1.414213562373095" in g.code
+    torch.testing.assert_close(g(x)[1][0], torch.full_like(x, 2.0 ** 0.5))
+
+
+class _Stateful(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("pe", torch.ones(3))
+
+    def forward(self, x):
+        self.pe = self.pe.to(x.dtype)  # a no-op rebinding: silent
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0).detach()
+        self.cache = x * 2
+        return (self.lin(x) * self.ema * self.pe).sum() + self.cache.sum()
+
+
+def test_module_attributes_assigned_by_the_program_are_restored_and_reported():
+    m = _Stateful().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"assigns to module attributes \(`ema`, `cache`\)"):
+        g = fxad.grad(m, x)
+    # the user's module keeps its own tensors, never a traced value
+    assert type(m.ema) is torch.Tensor and torch.equal(m.ema, torch.zeros(3, dtype=torch.float64))
+    assert not hasattr(m, "cache") and "ema" in dict(m.named_buffers())
+    value, (d_x,), d_params = g(x)
+    rx = x.clone().requires_grad_()
+    ref = _Stateful().double()
+    ref.load_state_dict(m.state_dict())
+    out = ref(rx)
+    out.backward()
+    torch.testing.assert_close(value, out.detach())
+    torch.testing.assert_close(d_x, rx.grad)
+    torch.testing.assert_close(d_params["lin.weight"], ref.lin.weight.grad)

@@ -236,3 +236,57 @@ def test_scan_and_map_as_code():
     want = torch.autograd.grad(torch.stack([(x @ wr).sin() for x in xr]).sum(), (xr, wr))
     torch.testing.assert_close(d_xs, want[0])
     torch.testing.assert_close(d_w, want[1])
+
+
+def test_associative_scan_is_captured_as_a_scan():
+    # torch._higher_order_ops.associative_scan (the path transformers' Mamba takes under
+    # compilation): the inclusive scan of a linear recurrence, forward and reverse
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def f(a, b):
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+        _, h = associative_scan(combine, (a, b), dim=1, combine_mode="generic")
+        _, h_rev = associative_scan(combine, (a, b), dim=1, reverse=True,
+                                    combine_mode="generic")
+        return (h ** 2).sum() + (h_rev ** 3).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 5, 3, dtype=torch.float64, generator=gen)
+    b = torch.randn(2, 5, 3, dtype=torch.float64, generator=gen)
+    g = fxad.grad(f, a, b)
+    assert "fxad_scan_vjp(" in g.code
+    value, (d_a, d_b) = g(a, b)
+    ra, rb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    ref = f(ra, rb)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach())
+    torch.testing.assert_close(d_a, ra.grad)
+    torch.testing.assert_close(d_b, rb.grad)
+    ta, tb = torch.randn_like(a), torch.randn_like(b)
+    _, t_out = fxad.jvp(f, a, b)(a, b, ta, tb)
+    torch.testing.assert_close(t_out, torch.func.jvp(f, (a, b), (ta, tb))[1])
+
+
+def test_scan_with_an_unused_output_has_zero_cotangents_for_it():
+    # the scan's per-step output is never used: its cotangent is None, and the body's VJP
+    # gets zeros for it instead of failing on None
+    from torch._higher_order_ops.scan import scan
+
+    def f(x, c0):
+        def step(c, x_i):
+            c = torch.sin(c) * x_i
+            return c, c * 2
+        c, _ = scan(step, c0, x)
+        return c.sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    c0 = torch.randn(3, dtype=torch.float64)
+    value, (d_x, d_c0) = fxad.grad(f, x, c0)(x, c0)
+    rx, rc = x.clone().requires_grad_(), c0.clone().requires_grad_()
+    c = rc
+    for i in range(4):
+        c = torch.sin(c) * rx[i]
+    c.sum().backward()
+    torch.testing.assert_close(d_x, rx.grad)
+    torch.testing.assert_close(d_c0, rc.grad)

@@ -143,3 +143,44 @@ def test_warning_can_be_turned_into_an_error(name):
         warnings.simplefilter("error", fxad.FallbackWarning)
         with pytest.raises(fxad.FallbackWarning, match="torch.special.i0"):
             getattr(fxad, name)(_two_fallbacks, x)
+
+
+def test_custom_torch_library_op_uses_its_autograd_formula_with_a_warning():
+    # an op another library registered with torch.library: fxad has no rule, so the op's own
+    # registered autograd formula serves (the autograd fallback, announced); one without a
+    # formula is a MissingRuleError at build time
+    from fxad.rules.fallback import FallbackWarning
+
+    lib = "fxad_test_ns"
+
+    @torch.library.custom_op(f"{lib}::cube", mutates_args=())
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x * x * x
+
+    @cube.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, d):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * d
+
+    cube.register_autograd(backward, setup_context=setup)
+
+    @torch.library.custom_op(f"{lib}::square_no_grad", mutates_args=())
+    def square(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    @square.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    x = torch.randn(4, dtype=torch.float64)
+    with pytest.warns(FallbackWarning, match=f"torch.ops.{lib}.cube"):
+        g = fxad.grad(lambda x: torch.ops.fxad_test_ns.cube(torch.sin(x)).sum(), x)
+    torch.testing.assert_close(g(x)[1][0], 3 * torch.sin(x) ** 2 * torch.cos(x))
+    with pytest.raises(fxad.MissingRuleError, match="square_no_grad"):
+        fxad.grad(lambda x: torch.ops.fxad_test_ns.square_no_grad(x).sum(), x)

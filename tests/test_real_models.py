@@ -39,3 +39,100 @@ def test_gpt2_default_cache_concatenates_a_legacy_empty_tensor():
     model = model.double()
     code = fxad.grad(model, ids).code
     assert "torch.cat" in code
+
+
+# --- models beyond the suite: constructs found by trying more transformers models -------------
+
+def _param_grads_match(model, inputs, dtype, tol):
+    """fxad.grad's value and parameter gradients vs eager autograd with inputs that do not
+    require grad (as users train), under one seed; the module's state is left as eager's."""
+    import copy
+
+    import fxad
+    model = model.to(dtype).train()
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+    before = copy.deepcopy(model.state_dict())
+    g = fxad.grad(model, *inputs)
+    torch.manual_seed(3)
+    value, _, d_params = g(*inputs)
+    model.load_state_dict(before)
+    torch.manual_seed(3)
+    model.zero_grad(set_to_none=True)
+    ref = model(*inputs)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach(), rtol=tol, atol=tol)
+    for name, p in model.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(d_params[name], want, rtol=tol, atol=tol, msg=name)
+    return g
+
+
+def _from_config(kind, cls_name, **cfg):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(kind, **cfg)
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name).from_config(config)
+
+
+def test_wav2vec2_weight_norm_and_requires_grad_assignment():
+    # its feature encoder sets `hidden_states.requires_grad = True` on a view of the input, and
+    # its positional convolution is weight-normalized (torch._weight_norm)
+    from fxad.models import LossOf
+    model = _from_config("wav2vec2", "AutoModel", num_hidden_layers=2, hidden_size=32,
+                         num_attention_heads=2, intermediate_size=64, conv_dim=(8, 8),
+                         conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+                         num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+                         activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
+                         layerdrop=0.0, mask_time_prob=0.0)
+    x = torch.randn(2, 400, generator=torch.Generator().manual_seed(0))
+    g = _param_grads_match(LossOf(model, ("input_values",)), (x,), torch.float64, 1e-9)
+    assert "torch._weight_norm" in g.code and "fxad_autograd_vjp" not in g.code
+
+
+def test_ctrl_numpy_scalar_and_module_attribute_rebinding():
+    # CTRL scales by np.sqrt(d) (a NumPy scalar) and rebinds a buffer in forward
+    # (self.pos_encoding = self.pos_encoding.to(...)): the code must not need numpy, and the
+    # user's module must not keep a traced value
+    import warnings
+
+    from fxad.models import LossOf
+    model = _from_config("ctrl", "AutoModelForCausalLM", n_layer=2, n_embd=32, n_head=2,
+                         dff=64, vocab_size=64, n_positions=64, resid_pdrop=0.0,
+                         embd_pdrop=0.0)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebinding keeps the value: nothing to say
+        g = _param_grads_match(LossOf(model, ("input_ids",), "logits"), (ids,),
+                               torch.float64, 1e-9)
+    assert "np.float64" not in g.code and "5.65685424949238" in g.code
+    assert type(model.transformer.pos_encoding) is torch.Tensor
+
+
+def test_mixtral_experts_custom_op_through_the_fallback_with_a_warning():
+    # transformers' MoE experts call its torch.library op `transformers::grouped_mm_fallback`
+    # on the compile path (fxad answers is_compiling() like Dynamo): differentiated through the
+    # op's registered autograd formula, and the build says so
+    import fxad
+    from fxad.models import LossOf
+    from fxad.rules.fallback import FallbackWarning
+    model = _from_config("mixtral", "AutoModelForCausalLM", num_hidden_layers=2, hidden_size=32,
+                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                         vocab_size=64, max_position_embeddings=64, num_local_experts=4,
+                         num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(FallbackWarning, match="grouped_mm_fallback"):
+        # float32: eager's F.grouped_mm has no float64 CPU kernel
+        _param_grads_match(LossOf(model, ("input_ids",), "logits"), (ids,), torch.float32,
+                           2e-5)
+    assert fxad.rules.fallback.is_fallback(torch.ops.transformers.grouped_mm_fallback)
+
+
+def test_mamba_associative_scan():
+    # on the compile path Mamba's selective scan is torch's associative_scan
+    from fxad.models import LossOf
+    model = _from_config("mamba", "AutoModelForCausalLM", num_hidden_layers=2, hidden_size=32,
+                         state_size=4, vocab_size=64, expand=2, conv_kernel=4)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    g = _param_grads_match(LossOf(model, ("input_ids",), "logits"), (ids,), torch.float64,
+                           1e-9)
+    assert "fxad_scan(" in g.code and "fxad_scan_vjp(" in g.code

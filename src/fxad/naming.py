@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 __all__ = ["describe_target"]
 
 
@@ -15,6 +17,14 @@ def describe_target(kind: str, target: Any) -> str:
         return f"module {target}"
     if isinstance(target, str):
         return target
+    if isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        # torch.library / ATen operators: as user code spells them (torch.ops.ns.name)
+        qual = target._qualified_op_name if isinstance(target, torch._ops.OpOverloadPacket) \
+            else f"{target.namespace}::{target._opname}"
+        ns, name = qual.split("::", 1)
+        over = "" if isinstance(target, torch._ops.OpOverloadPacket) \
+            else f".{target._overloadname}"
+        return f"torch.ops.{ns}.{name}{over}"
     mod = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", None) or repr(target)
     if mod in ("_operator", "operator"):

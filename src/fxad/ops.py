@@ -190,9 +190,19 @@ def scan_vjp(body: Any, body_vjp: Any, init: tuple, xs: tuple, additional: tuple
                                     d_carry, d_ys), {})
     steps = _steps(xs, dim, reverse)
     carries = [tuple(init)]
-    for i in steps[:-1]:
-        c, _ = body(*carries[-1], *[x.select(dim, i) for x in xs], *additional)
+    y_like: tuple = ()
+    for k, i in enumerate(steps[:-1]):
+        c, y = body(*carries[-1], *[x.select(dim, i) for x in xs], *additional)
         carries.append(tuple(c))
+        if k == 0:
+            y_like = tuple(y)
+    if steps and any(d is None for d in d_ys) and not y_like:  # one step: shapes of its y
+        y_like = tuple(body(*carries[0], *[x.select(dim, steps[0]) for x in xs],
+                            *additional)[1])
+    # an output of the scan that the program never used has no cotangent: zeros per step
+    # for the body's VJP (whose generated code expects one tensor per floating output)
+    zero_y = [None if d is not None or not y_like or not _floating(y_like[j])
+              else torch.zeros_like(y_like[j]) for j, d in enumerate(d_ys)]
     nc, nx = len(init), len(xs)
     d_c = [d if d is not None or not _floating(v) else torch.zeros_like(v)
            for d, v in zip(d_carry, init)]
@@ -201,7 +211,7 @@ def scan_vjp(body: Any, body_vjp: Any, init: tuple, xs: tuple, additional: tuple
     for k in range(len(steps) - 1, -1, -1):
         i = steps[k]
         x_i = [x.select(dim, i) for x in xs]
-        d_y = tuple(d.select(dim, i) if d is not None else None for d in d_ys)
+        d_y = tuple(d.select(dim, i) if d is not None else z for d, z in zip(d_ys, zero_y))
         _, grads = body_vjp(*carries[k], *x_i, *additional, (tuple(d_c), d_y))
         d_c = [g if g is not None or not _floating(v) else torch.zeros_like(v)
                for g, v in zip(grads[:nc], carries[k])]

@@ -76,7 +76,11 @@ def rule_for(gm: fx.GraphModule, node: fx.Node, em: Emitter) -> Rule | None:
     if is_control_flow(node):
         return control_flow_rule(node)
     key = rule_key(gm, node)
-    return complex_select(key, lookup(key), node)
+    rule = lookup(key)
+    if rule is None and node.op == "call_function":
+        from ..rules.fallback import custom_op_rule
+        rule = custom_op_rule(key)  # another library's torch.library op: its autograd
+    return complex_select(key, rule, node)
 
 
 def node_desc(gm: fx.GraphModule, node: fx.Node) -> str:

@@ -22,6 +22,8 @@ predicate at run time, so one build is right for any data.
   iteration while the backward runs); forward mode carries tangents through the loop with
   the body's generated JVP.  ``scan`` (and ``map``, a scan without carry) the same way over
   its steps, with the per-step outputs stacked.
+* ``torch._higher_order_ops.associative_scan`` is captured as that scan, carrying the
+  running result (:func:`capture_associative_scan`).
 * The entry points are patched during capture in ``torch``, ``torch._higher_order_ops`` and
   in the traced code's own globals and closure cells (``from torch._higher_order_ops.scan
   import scan``).
@@ -294,6 +296,47 @@ def capture_scan(cap: Any, combine_fn: Callable, init: Any, xs: Any, dim: int = 
     return pytree.tree_unflatten(list(carry_val), c_spec), ys_user
 
 
+def capture_associative_scan(cap: Any, combine_fn: Callable, xs: Any, dim: int,
+                             reverse: bool = False, combine_mode: str = "pointwise") -> Any:
+    """``torch._higher_order_ops.associative_scan(combine_fn, xs, dim, reverse, combine_mode)``
+    during capture: the inclusive scan y_0 = x_0, y_i = combine_fn(y_{i-1}, x_i), which is
+    what the op computes for an associative ``combine_fn`` (PyTorch evaluates it in a tree
+    order, so results agree up to floating-point reassociation).  Recorded as a
+    :func:`capture_scan` over x_1..x_n-1 carrying y, so the graph stays one loop whatever the
+    length; ``combine_fn`` sees the elements without the scan dim, as PyTorch's does."""
+    what = "torch associative_scan"
+    x_flat, x_spec = _flat_tensors(xs, what)
+    if not x_flat:
+        raise CaptureError(f"{what} needs at least one tensor", op=what, loc=user_source_loc(),
+                           hint="pass xs as a tensor or a pytree of tensors")
+    dim = dim % x_flat[0].dim()
+    n = x_flat[0].shape[dim]
+    if n == 0 or any(x.shape[dim] != n for x in x_flat):
+        raise CaptureError(f"{what}: every leaf of xs needs the same non-zero size along dim "
+                           f"{dim}", op=what, loc=user_source_loc(), hint="give them one length")
+    if reverse:
+        x_flat = [torch.flip(x, [dim]) for x in x_flat]
+    first = tuple(x.select(dim, 0) for x in x_flat)
+    if n > 1:
+        def step(carry: Any, x_i: Any) -> Any:
+            new = combine_fn(pytree.tree_unflatten(list(carry), x_spec),
+                             pytree.tree_unflatten(list(x_i), x_spec))
+            new_flat = pytree.tree_leaves(new)
+            if len(new_flat) != len(x_flat):
+                raise CaptureError(f"{what}: combine_fn must return the structure of xs",
+                                   op=what, loc=user_source_loc(),
+                                   hint="return one tensor per leaf of xs")
+            return tuple(new_flat), tuple(v.clone() for v in new_flat)
+        rest = tuple(x.narrow(dim, 1, n - 1) for x in x_flat)
+        _, ys = capture_scan(cap, step, first, rest, dim, False)
+        out = [torch.cat([f.unsqueeze(dim), y], dim) for f, y in zip(first, ys)]
+    else:
+        out = [f.unsqueeze(dim) for f in first]
+    if reverse:
+        out = [torch.flip(o, [dim]) for o in out]
+    return pytree.tree_unflatten(out, x_spec)
+
+
 def _eager_cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: Any = ()) -> Any:
     return (true_fn if bool(pred) else false_fn)(*operands)
 
@@ -417,6 +460,16 @@ def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
         map_.__wrapped__ = orig  # type: ignore[attr-defined]
         return map_
 
+    def make_assoc(orig: Callable) -> Callable:
+        def associative_scan(combine_fn: Any, xs: Any, dim: int, reverse: bool = False,
+                             combine_mode: str = "pointwise") -> Any:
+            cap = active()
+            if cap is None:
+                return orig(combine_fn, xs, dim, reverse, combine_mode)
+            return capture_associative_scan(cap, combine_fn, xs, dim, reverse, combine_mode)
+        associative_scan.__wrapped__ = orig  # type: ignore[attr-defined]
+        return associative_scan
+
     import importlib
     patch(torch, "cond", make_cond)
     patch(torch, "while_loop", make_while)
@@ -427,6 +480,9 @@ def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
                                 ("torch._higher_order_ops.scan", "scan", make_scan),
                                 ("torch._higher_order_ops", "scan", make_scan),
                                 ("torch._higher_order_ops.map", "map", make_map),
+                                ("torch._higher_order_ops.associative_scan",
+                                 "associative_scan", make_assoc),
+                                ("torch._higher_order_ops", "associative_scan", make_assoc),
                                 ("torch._higher_order_ops", "map", make_map)):
         try:
             ns = importlib.import_module(modname)

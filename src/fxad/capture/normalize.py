@@ -106,6 +106,14 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             return ("call_method", "repeat", (args[0], sizes), {})
         if name in _CASTS and len(args) == 1 and not kwargs:
             return ("call_method", "to", (args[0], _CASTS[name]), {})
+        if name == "type" and (len(args) > 1 or "dtype" in kwargs) \
+                and isinstance(_val(node), torch.Tensor):
+            # x.type(torch.float32) / x.type("torch.DoubleTensor"): a cast to the dtype (and,
+            # for a "torch.cuda.*" name, the device) the output has
+            out, src = _val(node), _val(args[0])
+            if isinstance(src, torch.Tensor) and out.device == src.device:
+                return ("call_method", "to", (args[0], out.dtype), {})
+            return ("call_method", "to", (args[0],), {"device": out.device, "dtype": out.dtype})
         if name == "type_as":
             return ("call_method", "to", (args[0], _val(args[1]).dtype), {})
         if name in _NEW_FACTORIES:

@@ -715,6 +715,11 @@ class _Capture:
         """A node argument: tensors become nodes, containers are rebuilt."""
         if isinstance(a, torch.Tensor):
             return self.node_of(a)
+        if type(a).__module__ == "numpy" and hasattr(a, "item") and getattr(a, "ndim", 1) == 0:
+            # a NumPy scalar (np.float64 subclasses float, but its repr, np.float64(5.6),
+            # would need numpy imported in the generated code): its Python value, which
+            # torch's type promotion treats the same way
+            return a.item()
         if isinstance(a, _SCALAR_TYPES) or isinstance(a, fx.Node):
             return a
         if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) \
@@ -733,8 +738,6 @@ class _Capture:
             return slice(self.arg(a.start, what), self.arg(a.stop, what), self.arg(a.step, what))
         if isinstance(a, range):
             return a
-        if type(a).__module__ == "numpy" and hasattr(a, "item") and getattr(a, "ndim", 1) == 0:
-            return a.item()
         if dataclasses.is_dataclass(a) and not isinstance(a, type):
             # an options object (F.linear_cross_entropy's LinearCrossEntropyOptions): built
             # in the code from its fields, as torch.fx records it
@@ -1066,7 +1069,21 @@ class _Capture:
             raise CaptureError(f"setting Tensor.{name} inside the traced program is not "
                                "supported", op=f"Tensor.{name}", loc=user_source_loc(),
                                hint="compute a new tensor instead")
-        out = func(*self.to_fake_arg(args), **self.to_fake_arg(kwargs))
+        if kind == "__set__" and name == "requires_grad" and isinstance(t, torch.Tensor) \
+                and len(args) > 1 and args[1] is True and t.requires_grad:
+            # ``h.requires_grad = True`` (transformers' feature encoders do this "for gradient
+            # checkpointing"): h already carries a derivative here, because fxad sees floating
+            # inputs as differentiable.  Eager code with an input that does not require grad
+            # makes h a leaf that does; the derivatives to every parameter are the same either
+            # way, so this is a no-op (eager raises only when the input itself requires grad)
+            return None
+        try:
+            out = func(*self.to_fake_arg(args), **self.to_fake_arg(kwargs))
+        except RuntimeError as e:
+            raise CaptureError(f"Tensor.{name} ({kind.strip('_')}) failed while tracing: {e}",
+                               op=f"Tensor.{name}", loc=user_source_loc(),
+                               hint="use x.detach() for a value that must not carry a "
+                                    "derivative") from e
         if isinstance(out, torch.Tensor) and id(out) not in self.env and kind == "__get__":
             if name == "grad":  # a parameter's .grad: not part of the program's value
                 raise CaptureError("reading Tensor.grad inside the traced program is not "
@@ -1425,8 +1442,8 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
     # the control-flow functions imported by name into the user's modules
     # (``from torch._higher_order_ops.scan import scan``)
     replaced = {id(orig): new for ns, name, orig, new in patched
-                if ns.__class__.__name__ == "module" and name in ("cond", "while_loop", "scan",
-                                                                  "map")}
+                if ns.__class__.__name__ == "module"
+                and name in ("cond", "while_loop", "scan", "map", "associative_scan")}
     patched.extend(namespace_patches(user_globals, replaced))
 
     compiler = torch.compiler
@@ -1647,12 +1664,14 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     cap.user_globals = _user_globals(f)
     names = _input_names(params, len(example_inputs))
     values = _inputs(cap, names, example_inputs)
-    with _capture_environment(cap), fake_mode(), torch.enable_grad(), cap.mode:
-        if isinstance(f, torch.nn.Module):
+    state = _module_state(root)
+    try:
+        with _capture_environment(cap), fake_mode(), torch.enable_grad(), cap.mode:
             result = f(*values)
-        else:
-            result = f(*values)
-    out_args = cap.arg(result, "return")
+        out_args = cap.arg(result, "return")
+    finally:
+        rebound = _restore_module_state(root, state)
+    _warn_rebound(cap, rebound)
     for obj, ph in cap.mutated_inputs.values():
         # the program mutated its input: write the final value back, as PyTorch would
         # (after everything else; the derivative engines keep it last)
@@ -1673,6 +1692,102 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
     return gm
+
+
+def _module_state(root: torch.nn.Module) -> dict:
+    """Every tensor the modules of ``root`` hold (parameters, buffers, plain tensor
+    attributes), by module path: what :func:`_restore_module_state` puts back."""
+    state: dict = {}
+    for path, mod in root.named_modules(remove_duplicate=False):
+        entries = {}
+        for kind, d in (("_parameters", mod._parameters), ("_buffers", mod._buffers),
+                        ("__dict__", mod.__dict__)):
+            for name, v in d.items():
+                if kind != "__dict__" or isinstance(v, torch.Tensor):
+                    entries[(kind, name)] = v
+        state[path] = (mod, entries)
+    return state
+
+
+def _restore_module_state(root: torch.nn.Module, state: dict) -> list[tuple[str, Any, Any]]:
+    """Undo what the traced program assigned to the attributes of the modules it was given
+    (``self.cache = self.cache.to(x.dtype)``): the user's module must never keep a traced
+    (fake) value.  Modules attached during capture (a function's closure modules) are not
+    touched.  Returns ``(path, old, new)`` for each tensor attribute the program rebound
+    (``old`` None: added by the program)."""
+    rebound: list[tuple[str, Any, Any]] = []
+    for path, (mod, entries) in state.items():
+        seen: set = set()
+        for kind in ("_parameters", "_buffers", "__dict__"):
+            d = getattr(mod, kind)
+            for name, v in list(d.items()):
+                where = f"{path}.{name}".lstrip(".")
+                if (kind, name) not in entries:
+                    if not _is_traced(v):
+                        continue
+                    del d[name]  # a traced tensor the program stored on the module
+                    if name not in seen:
+                        rebound.append((where, None, v))
+                elif v is not entries[(kind, name)]:
+                    d[name] = entries[(kind, name)]
+                    if name not in seen:
+                        rebound.append((where, entries[(kind, name)], v))
+                seen.add(name)
+        for (kind, name), old in entries.items():  # deleted (or moved) by the program
+            d = getattr(mod, kind)
+            if name not in d:
+                d[name] = old
+    return rebound
+
+
+def _is_traced(v: Any) -> bool:
+    return isinstance(v, FakeTensor) or type(v).__name__ == "TensorProxy"
+
+
+def _warn_rebound(cap: _Capture, rebound: list[tuple[str, Any, Any]]) -> None:
+    """Say where the generated code differs from eager: eager PyTorch keeps a tensor the
+    program assigned to a module attribute, fxad's code does not store it (it recomputes the
+    value from the module's own attribute on every call).  Silent only where the new value
+    is the old one converted to the dtype/device/layout it already had (transformers' CTRL:
+    ``self.pos_encoding = self.pos_encoding.to(device=..., dtype=...)``), which leaves the
+    attribute's value as it was."""
+    import warnings
+
+    changed = [path for path, old, new in rebound if not _same_value(cap, old, new)]
+    if changed:
+        warnings.warn(
+            "the traced program assigns to module attributes (" + ", ".join(
+                f"`{p}`" for p in changed) + "): eager PyTorch keeps the new value on the "
+            "module, fxad's generated code does not (each call computes the value from the "
+            "module's attribute as it was when traced, and the module is left unchanged); "
+            "update such state outside the differentiated function", UserWarning,
+            stacklevel=3)
+
+
+_VALUE_PRESERVING = {"to", "type", "contiguous", "float", "double", "half", "bfloat16", "detach",
+                     "clone", "cpu", "cuda", torch.Tensor.to, torch.clone, torch.detach}
+
+
+def _same_value(cap: _Capture, old: Any, new: Any) -> bool:
+    """Whether ``new`` is ``old`` passed through conversions that leave it as it was (same
+    dtype, device, shape and strides at every step)."""
+    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+        return old is new
+    if new is old:
+        return True
+    node = cap.env.get(id(new))
+    while isinstance(node, fx.Node) and node.op in ("call_method", "call_function") \
+            and node.target in _VALUE_PRESERVING and node.args \
+            and isinstance(node.args[0], fx.Node):
+        src, val = node.args[0], node.meta.get("val")
+        sv = src.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
+                (val.dtype, val.device, tuple(val.shape), val.stride()) != \
+                (sv.dtype, sv.device, tuple(sv.shape), sv.stride()):
+            return False
+        node = src
+    return isinstance(node, fx.Node) and node.op == "get_attr" \
+        and node.target == cap.attr_paths.get(id(old))
 
 
 def _user_globals(f: Any) -> list[dict]:

@@ -43,7 +43,7 @@ VERIFIED: frozenset[str] = frozenset({
     'repeat',
     'sum_to_size',
     'to',
-    'torch._ops.aten.slice.Tensor',
+    'torch.ops.aten.slice.Tensor',
     'torch._unsafe_masked_index',
     'torch._unsafe_masked_index_put_accumulate',
     'torch.acos',

@@ -287,6 +287,32 @@ def _make_rule(op: Any) -> None:
 
 _COMPLEX_RULES: dict[Any, Any] = {}
 
+# operator namespaces of PyTorch itself: their ops reach fxad only through its own rules
+_TORCH_NAMESPACES = {"aten", "prims", "prim", "quantized", "_quantized", "higher_order"}
+
+
+def custom_op_rule(op: Any) -> Any:
+    """The autograd-fallback rule for an operator another library registered with
+    ``torch.library`` (``torch.ops.transformers.grouped_mm_fallback``), built and registered
+    on first use; ``None`` for anything else, or when ``FXAD_NO_FALLBACK`` is set.  Such an
+    op's derivative is whatever its library registered with autograd
+    (``torch.library.register_autograd``); an op without one is refused at build time
+    (:class:`fxad.MissingRuleError`), as for the torch functions.  The build that uses it
+    warns (:class:`FallbackWarning`) like every fallback."""
+    if os.environ.get("FXAD_NO_FALLBACK"):
+        return None
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        ns = op._qualified_op_name.split("::", 1)[0]
+    elif isinstance(op, torch._ops.OpOverload):
+        ns = op.namespace
+    else:
+        return None
+    if ns in _TORCH_NAMESPACES:
+        return None
+    if _RULES.get(op) is None:
+        _make_rule(op)
+    return _RULES.get(op)
+
 
 def complex_rule(op: Any) -> Any:
     """The autograd-fallback :class:`~fxad.rules.registry.Rule` for ``op``, used in place of a
@@ -392,8 +418,25 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     if has_input and outs and all(
             not o.requires_grad or (o.grad_fn is not None
                                     and "NotImplemented" in type(o.grad_fn).__name__)
-            for o in outs):
+            for o in outs) or (has_input and outs and _custom_op_without_autograd(op)):
         raise missing_rule(name, None)
+
+
+def _custom_op_without_autograd(op: Any) -> bool:
+    """A ``torch.library.custom_op`` with no ``register_autograd``: autograd accepts it (its
+    generated backward node raises only when run), so fxad asks the op's definition."""
+    if isinstance(op, torch._ops.OpOverload):
+        qual = f"{op.namespace}::{op._opname}"
+    elif isinstance(op, torch._ops.OpOverloadPacket):
+        qual = op._qualified_op_name
+    else:
+        return False
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    opdef = OPDEFS.get(qual)
+    return opdef is not None and getattr(opdef, "_backward_fn", True) is None
 
 
 def _refuse_random(op: Any, args: tuple, kwargs: dict) -> None:

@@ -238,6 +238,56 @@ class Normalize:
         yield (_t((3, 4), dtype), 1.0, 0), {}
 
 
+def _wn_dims(v: Any, dim: int) -> list[int]:
+    """Dims ``norm_except_dim(v, 2, dim)`` reduces: every dim but ``dim``; all of them for
+    ``dim == -1`` (ATen's convention: -1 means the norm of the whole tensor, not the last
+    dim)."""
+    return list(range(v.dim())) if dim == -1 else [i for i in range(v.dim()) if i != dim]
+
+
+@builtin(torch._weight_norm)
+class WeightNorm:
+    """_weight_norm(v, g, dim) = v * g / n with n = ||v||_2 over every dim but ``dim`` (the
+    whole tensor for dim = -1), kept as size 1 (the weight of
+    ``nn.utils.parametrizations.weight_norm``).  With s = sum(d * v) over those dims:
+    d_v = (g / n) d - v g s / n^3, d_g = s / n (derivatives.yaml `_weight_norm_interface`:
+    _weight_norm_interface_backward; Salimans & Kingma 2016, eq. 3).  A zero norm gives
+    inf/nan as in eager."""
+
+    def fwd(v, g, dim=0):
+        out = torch._weight_norm(v, g, dim)
+        return out, (v, g, dim)
+
+    def bwd(aux, d):
+        v, g, dim = aux
+        dims = _wn_dims(v, dim)
+        n = torch.linalg.vector_norm(v, 2, dims, keepdim=True)
+        s = torch.sum(d * v, dims, keepdim=True)
+        d_v = d * (g / n) - v * (g * s / (n * n * n))
+        return d_v, s / n, None
+
+    def jvp(primals, tangents):
+        p, t = _bound(WeightNorm.fwd, primals, tangents)
+        v, g, dim = p["v"], p["g"], p["dim"]
+        out = torch._weight_norm(v, g, dim)
+        dims = _wn_dims(v, dim)
+        n = torch.linalg.vector_norm(v, 2, dims, keepdim=True)
+        t_out = None
+        if t["v"] is not None:
+            vt = torch.sum(v * t["v"], dims, keepdim=True)
+            t_out = t["v"] * (g / n) - v * (g * vt / (n * n * n))
+        if t["g"] is not None:
+            t_out = _add(t_out, v * (t["g"] / n))
+        return out, t_out
+
+    def samples(dtype):
+        yield (randn(4, 3, 2, dtype=dtype), randn(4, 1, 1, dtype=dtype)), {}
+        yield (randn(4, 3, 2, dtype=dtype), randn(1, 1, 2, dtype=dtype), 2), {}
+        yield (randn(4, 3, 2, dtype=dtype), randn(1, 3, 1, dtype=dtype), 1), {}
+        yield (randn(5, 3, dtype=dtype), randn(dtype=dtype), -1), {}
+        yield (randn(4, 3, dtype=dtype), randn(4, 1, dtype=dtype)), {"dim": 0}
+
+
 # --- group, RMS and instance normalization --------------------------------------------------
 
 def _norm_core(d_xhat: Any, xhat: Any, rstd: Any, dims: Any) -> Any:
