@@ -6,7 +6,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe_target"]
+__all__ = ["describe_target", "op_qualname"]
+
+
+def op_qualname(target: Any) -> str | None:
+    """``"namespace::name"`` of a dispatcher operator (``torch.ops.aten.add.Tensor``, an op
+    another library registered with ``torch.library``), overload or packet; None for any
+    other callable."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}::{target._opname}"
+    return None
 
 
 def describe_target(kind: str, target: Any) -> str:
@@ -17,13 +28,11 @@ def describe_target(kind: str, target: Any) -> str:
         return f"module {target}"
     if isinstance(target, str):
         return target
-    if isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+    qual = op_qualname(target)
+    if qual is not None:
         # torch.library / ATen operators: as user code spells them (torch.ops.ns.name)
-        qual = target._qualified_op_name if isinstance(target, torch._ops.OpOverloadPacket) \
-            else f"{target.namespace}::{target._opname}"
         ns, name = qual.split("::", 1)
-        over = "" if isinstance(target, torch._ops.OpOverloadPacket) \
-            else f".{target._overloadname}"
+        over = f".{target._overloadname}" if isinstance(target, torch._ops.OpOverload) else ""
         return f"torch.ops.{ns}.{name}{over}"
     mod = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", None) or repr(target)

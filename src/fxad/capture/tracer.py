@@ -1670,7 +1670,7 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
             result = f(*values)
         out_args = cap.arg(result, "return")
     finally:
-        rebound = _restore_module_state(root, state)
+        rebound = _restore_module_state(state)
     _warn_rebound(cap, rebound)
     for obj, ph in cap.mutated_inputs.values():
         # the program mutated its input: write the final value back, as PyTorch would
@@ -1709,7 +1709,7 @@ def _module_state(root: torch.nn.Module) -> dict:
     return state
 
 
-def _restore_module_state(root: torch.nn.Module, state: dict) -> list[tuple[str, Any, Any]]:
+def _restore_module_state(state: dict) -> list[tuple[str, Any, Any]]:
     """Undo what the traced program assigned to the attributes of the modules it was given
     (``self.cache = self.cache.to(x.dtype)``): the user's module must never keep a traced
     (fake) value.  Modules attached during capture (a function's closure modules) are not
@@ -1723,7 +1723,7 @@ def _restore_module_state(root: torch.nn.Module, state: dict) -> list[tuple[str,
             for name, v in list(d.items()):
                 where = f"{path}.{name}".lstrip(".")
                 if (kind, name) not in entries:
-                    if not _is_traced(v):
+                    if not isinstance(v, FakeTensor):  # only traced values are undone
                         continue
                     del d[name]  # a traced tensor the program stored on the module
                     if name not in seen:
@@ -1738,10 +1738,6 @@ def _restore_module_state(root: torch.nn.Module, state: dict) -> list[tuple[str,
             if name not in d:
                 d[name] = old
     return rebound
-
-
-def _is_traced(v: Any) -> bool:
-    return isinstance(v, FakeTensor) or type(v).__name__ == "TensorProxy"
 
 
 def _warn_rebound(cap: _Capture, rebound: list[tuple[str, Any, Any]]) -> None:

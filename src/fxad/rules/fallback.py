@@ -301,13 +301,10 @@ def custom_op_rule(op: Any) -> Any:
     warns (:class:`FallbackWarning`) like every fallback."""
     if os.environ.get("FXAD_NO_FALLBACK"):
         return None
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        ns = op._qualified_op_name.split("::", 1)[0]
-    elif isinstance(op, torch._ops.OpOverload):
-        ns = op.namespace
-    else:
-        return None
-    if ns in _TORCH_NAMESPACES:
+    from ..naming import op_qualname
+
+    qual = op_qualname(op)
+    if qual is None or qual.split("::", 1)[0] in _TORCH_NAMESPACES:
         return None
     if _RULES.get(op) is None:
         _make_rule(op)
@@ -425,11 +422,10 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
 def _custom_op_without_autograd(op: Any) -> bool:
     """A ``torch.library.custom_op`` with no ``register_autograd``: autograd accepts it (its
     generated backward node raises only when run), so fxad asks the op's definition."""
-    if isinstance(op, torch._ops.OpOverload):
-        qual = f"{op.namespace}::{op._opname}"
-    elif isinstance(op, torch._ops.OpOverloadPacket):
-        qual = op._qualified_op_name
-    else:
+    from ..naming import op_qualname
+
+    qual = op_qualname(op)
+    if qual is None:
         return False
     try:
         from torch._library.custom_ops import OPDEFS
