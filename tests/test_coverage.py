@@ -1,4 +1,4 @@
-"""The OpInfo coverage sweep (``python -m fxad.coverage``) as a test: no op may be *wrong*
+"""The OpInfo coverage sweep (``python -m fxad.tools.coverage``) as a test: no op may be *wrong*
 (fxad's numbers differ from torch.autograd), and coverage may not regress.
 
 The full sweep takes a few minutes on 2 CPU cores; set ``FXAD_COVERAGE_OPS`` to a
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("expecttest")  # needed by torch's OpInfo database
 
-from fxad import coverage  # noqa: E402
+from fxad.tools import coverage  # noqa: E402
 
 # Ops allowed to be "wrong" while a fix is pending: none.  Any wrong op fails the build.
 KNOWN_WRONG: set[str] = set()
@@ -30,7 +30,7 @@ def results(tmp_path_factory):
     # float64, float32 and complex128 samples (complex: hand-written rules must not be wrong
     # there either; see fxad.rules.complex)
     res = coverage.sweep(names.split() if names else None, c128_samples=1)
-    # the committed coverage_report.md is refreshed by `python -m fxad.coverage`; the test run
+    # the committed coverage_report.md is refreshed by `python -m fxad.tools.coverage`; the test run
     # writes its table outside the checkout unless FXAD_COVERAGE_REPORT names a path
     default = tmp_path_factory.mktemp("coverage") / "coverage_report.md"
     coverage.write_report(res, os.environ.get("FXAD_COVERAGE_REPORT", str(default)))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import fxad
-from fxad.coverage import check_seeded, draws_random
+from fxad.tools.coverage import check_seeded, draws_random
 from fxad.rules.registry import op_name
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -1,4 +1,4 @@
-"""The random-program fuzzer (``fxad.fuzz``): a fixed-seed batch of programs through fxad's
+"""The random-program fuzzer (``fxad.tools.fuzz``): a fixed-seed batch of programs through fxad's
 reverse and forward mode against eager PyTorch, the generator itself, the fuzzer's ability to
 see a wrong rule, and regression programs for the bugs it found."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fxad
-from fxad.fuzz import FAMILIES, Program, generate, run_batch, run_program
-from fxad.fuzz.generator import eager_ok
-from fxad.fuzz.runner import reproducer_source, shrink, write_reproducer
+from fxad.tools.fuzz import FAMILIES, Program, generate, run_batch, run_program
+from fxad.tools.fuzz.generator import eager_ok
+from fxad.tools.fuzz.runner import reproducer_source, shrink, write_reproducer
 from fxad.rules import registry
 
 CI_SEED = 0

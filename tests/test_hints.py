@@ -350,7 +350,7 @@ def test_checker_rejects_made_up_options():
         "pass frobnicate=True to fxad.vjp",
         "use F.conv2d(x, w, stride_mode=2)",
         "set use_magic=True",
-        "write one with `python -m fxad.coverage --no-such-flag x.md`",
+        "write one with `python -m fxad.tools.coverage --no-such-flag x.md`",
         "remove @no_such_decorator from the function",
     ]
     for text in made_up:
@@ -364,7 +364,7 @@ def test_checker_rejects_made_up_options():
         "index with integer tensors (mask.nonzero(as_tuple=True)) instead",
         "pass one --input EXPR per argument of the function",
         "build it with fused kernels off: `with fxad.fused_kernels(False): g = fxad.grad(f, x)`",
-        "write one with `python -m fxad.coverage --out coverage_report.md`",
+        "write one with `python -m fxad.tools.coverage --out coverage_report.md`",
         "remove @once_differentiable from Fn.backward",
     ]
     for text in good:

@@ -16,7 +16,8 @@ RULES = pathlib.Path(__file__).resolve().parents[1] / "src" / "fxad" / "rules"
 # modules that serve the whole package rather than hold a rule family: the package itself,
 # the registry, the complex-verification machinery and the autograd fallback (the shared
 # helpers in _base.py and the fused-kernel switch are held to the rule modules' imports)
-SUPPORT = {"fxad.rules", "fxad.rules.registry", "fxad.rules.complex", "fxad.rules.fallback"}
+SUPPORT = {"fxad.rules", "fxad.rules.registry", "fxad.rules.complex", "fxad.rules.fallback",
+           "fxad.rules.dispatch"}
 
 # fxad modules every rule module may import
 ALLOWED = {"fxad.rules.registry", "fxad.rules._base", "fxad.rules.fused", "fxad.errors",
@@ -28,8 +29,8 @@ SUPPORT_EXCEPTIONS = {
     # the autograd fallback evaluates ops on capture's fake tensors and registers the names
     # generated code spells them with
     ("fxad.rules.fallback", "fxad.capture"),
-    ("fxad.rules.fallback", "fxad.capture.proxy"),
-    ("fxad.rules.fallback", "fxad.capture.shapes"),
+    ("fxad.rules.fallback", "fxad.graph.proxy"),
+    ("fxad.rules.fallback", "fxad.graph.shapes"),
     ("fxad.rules.fallback", "fxad.codegen"),
     # check_rule / main verify rules on complex samples end to end, through the public API
     ("fxad.rules.complex", "fxad"),

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxad
-from fxad.coverage import check_seeded, draws_random
+from fxad.tools.coverage import check_seeded, draws_random
 from fxad.errors import RuleError
 from fxad.rules.nn._common import _bound
 

@@ -51,7 +51,7 @@ def test_coverage_plot_from_a_report(tmp_path):
     ylabels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert "torch (2)" in ylabels and "torch.linalg (1)" in ylabels
     assert "2 of 4 pass" in fig._suptitle.get_text()
-    with pytest.raises(fxad.InputError, match="python -m fxad.coverage"):
+    with pytest.raises(fxad.InputError, match="python -m fxad.tools.coverage"):
         fxad.plot.coverage(report=tmp_path / "missing.md")
 
 

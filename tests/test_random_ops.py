@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import fxad
-from fxad.coverage import check_seeded
+from fxad.tools.coverage import check_seeded
 
 SEEDS = (0, 1, 7)
 

@@ -1,13 +1,13 @@
 """Real-model suite (issue: real models): models fxad did not write, from transformers and
 torch.nn, built from small configurations with random weights.  Each is checked in float64
 (value, every parameter and floating-input gradient vs torch.autograd) and trained through
-fxad.compile for a few SGD steps beside eager autograd.  See :mod:`fxad.models`."""
+fxad.compile for a few SGD steps beside eager autograd.  See :mod:`fxad.tools.models`."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fxad.models import cases, check_case, train_case
+from fxad.tools.models import cases, check_case, train_case
 
 CASES = cases()
 
@@ -33,7 +33,7 @@ def test_gpt2_default_cache_concatenates_a_legacy_empty_tensor():
     # the first keys: the case that used to raise a bare IndexError inside the cat rule
     pytest.importorskip("transformers")
     import fxad
-    from fxad.models import _gpt2
+    from fxad.tools.models import _gpt2
     torch.manual_seed(0)
     model, (ids,) = _gpt2()
     model = model.double()
@@ -77,7 +77,7 @@ def _from_config(kind, cls_name, **cfg):
 def test_wav2vec2_weight_norm_and_requires_grad_assignment():
     # its feature encoder sets `hidden_states.requires_grad = True` on a view of the input, and
     # its positional convolution is weight-normalized (torch._weight_norm)
-    from fxad.models import LossOf
+    from fxad.tools.models import LossOf
     model = _from_config("wav2vec2", "AutoModel", num_hidden_layers=2, hidden_size=32,
                          num_attention_heads=2, intermediate_size=64, conv_dim=(8, 8),
                          conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
@@ -95,7 +95,7 @@ def test_ctrl_numpy_scalar_and_module_attribute_rebinding():
     # user's module must not keep a traced value
     import warnings
 
-    from fxad.models import LossOf
+    from fxad.tools.models import LossOf
     model = _from_config("ctrl", "AutoModelForCausalLM", n_layer=2, n_embd=32, n_head=2,
                          dff=64, vocab_size=64, n_positions=64, resid_pdrop=0.0,
                          embd_pdrop=0.0)
@@ -113,7 +113,7 @@ def test_mixtral_experts_custom_op_through_the_fallback_with_a_warning():
     # on the compile path (fxad answers is_compiling() like Dynamo): differentiated through the
     # op's registered autograd formula, and the build says so
     import fxad
-    from fxad.models import LossOf
+    from fxad.tools.models import LossOf
     from fxad.rules.fallback import FallbackWarning
     model = _from_config("mixtral", "AutoModelForCausalLM", num_hidden_layers=2, hidden_size=32,
                          num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
@@ -129,7 +129,7 @@ def test_mixtral_experts_custom_op_through_the_fallback_with_a_warning():
 
 def test_mamba_associative_scan():
     # on the compile path Mamba's selective scan is torch's associative_scan
-    from fxad.models import LossOf
+    from fxad.tools.models import LossOf
     model = _from_config("mamba", "AutoModelForCausalLM", num_hidden_layers=2, hidden_size=32,
                          state_size=4, vocab_size=64, expand=2, conv_kernel=4)
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))

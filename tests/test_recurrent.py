@@ -224,7 +224,7 @@ def test_cell_unrolled_by_the_user():
 def _packed_vjp(kind, data, batch_sizes, hx, params, layers, bidirectional, via, dropout=0.0,
                 train=False):
     from fxad.ad.reverse import build_vjp_graph
-    from fxad.capture.proxy import to_fake
+    from fxad.graph.proxy import to_fake
 
     op = getattr(torch, kind)
     root, g = nn.Module(), fx.Graph()

@@ -7,7 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxad
-from fxad.coverage import check_seeded, draws_random
+from fxad.tools.coverage import check_seeded, draws_random
 from fxad.rules.registry import op_name
 
 
@@ -45,7 +45,7 @@ def _as_function(op, args, kwargs):
 
 
 # ops whose torch.autograd gradient is itself wrong in torch 2.13: checked against finite
-# differences alone (see fxad.coverage._AUTOGRAD_WRONG)
+# differences alone (see fxad.tools.coverage._AUTOGRAD_WRONG)
 AUTOGRAD_WRONG = {torch.as_strided_scatter}
 
 # random ops whose autograd derivative is zero by definition, not the pathwise derivative that
@@ -74,7 +74,7 @@ def test_rule_matches_autograd_and_finite_differences(op, args, kwargs):
 
 
 def _check_against_finite_differences(fn, inputs):
-    from fxad.coverage import _fd_grads
+    from fxad.tools.coverage import _fd_grads
     out = fn(*inputs)
     gen = torch.Generator().manual_seed(0)
     cot = torch.randn(out.shape, dtype=out.dtype, generator=gen)

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 import fxad
-from fxad.capture.proxy import Emitter
+from fxad.graph.proxy import Emitter
 from fxad.simplify import cse, dce, fold_algebra, fold_shapes, simplify
 
 

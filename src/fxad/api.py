@@ -15,7 +15,7 @@ import torch.fx as fx
 from . import codegen
 from .ad.reverse import build_vjp_graph, is_float
 from .capture.normalize import normalize
-from .capture.proxy import Emitter
+from .graph.proxy import Emitter
 from .capture.tracer import capture, capturing
 from .errors import InputError
 from .rules.fallback import is_fallback_node, warn_fallbacks

@@ -828,7 +828,8 @@ def _definition_loc(f: Any) -> SourceLoc | None:
 
 def _raise(fail: _Failure, f: Any, node: fx.Node | None, fw: fx.GraphModule | None,
            checked_dtype: Any) -> None:
-    from .ad.reverse import node_desc, rule_key
+    from .ad.reverse import node_desc
+    from .rules.dispatch import rule_key
     from .rules.registry import op_name
 
     affected = ", ".join(fail.names) if fail.names else "the output"

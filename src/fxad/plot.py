@@ -4,7 +4,7 @@
   :func:`fxad.memory.simulate`), forward and backward shaded, the peak marked with the tensors
   alive there, the saved-tensor level dashed; one curve per residual policy when asked.
 * :func:`coverage` — the OpInfo coverage table (``coverage_report.md``, written by
-  ``python -m fxad.coverage``) as a chart: the totals of the VJP and JVP columns and, per op
+  ``python -m fxad.tools.coverage``) as a chart: the totals of the VJP and JVP columns and, per op
   namespace, how many ops pass, fall back, are missing, wrong, crash or are skipped.  It reads
   the report; it does not run the sweep.
 
@@ -193,7 +193,7 @@ def default_report() -> Path:
 
 
 def read_coverage(report: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """Rows of a coverage report (``.md`` as written by ``python -m fxad.coverage``, or
+    """Rows of a coverage report (``.md`` as written by ``python -m fxad.tools.coverage``, or
     ``.csv``): dicts with ``op``, ``samples``, ``status``, ``jvp``, ``reason``.
 
     Raises:
@@ -202,7 +202,7 @@ def read_coverage(report: str | os.PathLike | None = None) -> list[dict[str, Any
     path = Path(report) if report is not None else default_report()
     if not path.exists():
         raise InputError(f"no coverage report at {path}",
-                         hint="write one with `python -m fxad.coverage --out coverage_report.md` "
+                         hint="write one with `python -m fxad.tools.coverage --out coverage_report.md` "
                               "(the OpInfo sweep; a few minutes on 2 cores) or pass report=")
     rows: list[dict[str, Any]] = []
     if path.suffix.lower() == ".csv":
@@ -240,7 +240,7 @@ def coverage(path: str | os.PathLike | None = None, *,
         path: where to save the figure (``.png``, ``.svg``, ``.pdf``); ``None``: do not save.
         report: the report to read (``coverage_report.md`` or ``.csv``; default:
             ``./coverage_report.md``, else the one at the root of the fxad checkout), or the
-            ``OpResult`` list that :func:`fxad.coverage.sweep` returns.
+            ``OpResult`` list that :func:`fxad.tools.coverage.sweep` returns.
         title: figure title (default: the totals).
         width, height: figure size in inches.
 

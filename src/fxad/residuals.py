@@ -187,7 +187,7 @@ class Policy:
 
 def _declared_recompute(node: fx.Node) -> bool | None:
     """The ``recompute`` declaration of the rule registered for ``node``'s op, if any."""
-    from .ad.reverse import rule_key
+    from .rules.dispatch import rule_key
     from .rules.registry import lookup
 
     if node.op not in ("call_function", "call_method"):

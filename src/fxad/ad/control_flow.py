@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..capture.proxy import fetch_attr, to_fake
+from ..graph.proxy import fetch_attr, to_fake
 from ..rules.registry import Rule
 
 _CACHE_KEY = "_fxad_control_derivatives"

@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..capture.proxy import Emitter
+from ..graph.proxy import Emitter
 from ..errors import RuleError
 from ..rules.registry import Rule, missing_rule
 from .reverse import (ReverseTransform, _is_structural_getitem, activity, copy_node, has_float,
@@ -305,7 +305,7 @@ class ForwardTransform:
         cotangents of its outputs.  The result does not depend on ``u`` (linearity).
         """
         from ..capture.normalize import normalize
-        from ..capture.tracer import _record_factories
+        from ..graph.factories import record_factories
         from .modules import ModuleRef
         from .reverse import build_vjp_graph
 
@@ -362,7 +362,7 @@ class ForwardTransform:
             return x
 
         aux2 = pytree.tree_map(lift, aux)
-        with _record_factories(em2), fused_kernels(False):  # type: ignore[arg-type]
+        with record_factories(em2), fused_kernels(False):  # type: ignore[arg-type]
             cts = rule.bwd(aux2, u)
         names = list(rule.params)
         if isinstance(cts, dict):
@@ -532,10 +532,10 @@ def build_jvp_graph(gm: fx.GraphModule, *, root: torch.nn.Module | None = None,
         (graph, info) with ``info["tangent_placeholders"]`` and ``info["differentiated"]``
         (per input: whether it has a tangent).
     """
-    from ..capture.tracer import _record_factories
+    from ..graph.factories import record_factories
 
     tr = ForwardTransform(gm, root if root is not None else gm, argnums=argnums)
-    with _record_factories(tr.em):  # type: ignore[arg-type]
+    with record_factories(tr.em):  # type: ignore[arg-type]
         inputs, out_node = tr.run()
         outputs = tr._load(out_node.args[0])
         tangents = fx.node.map_aggregate(out_node.args[0], tr.output_tangent)

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from ..capture.proxy import Emitter
+from ..graph.proxy import Emitter
 
 
 class ModuleSlot:

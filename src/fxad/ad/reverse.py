@@ -39,10 +39,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..rules.complex import select as complex_select
-from ..capture.proxy import Emitter, TensorProxy, describe_target, fetch_attr
+from ..graph.proxy import Emitter, TensorProxy, describe_target, fetch_attr
 from ..errors import FxadError, RuleError
-from ..rules.registry import _NEEDED, Rule, lookup, missing_rule
+from ..rules.dispatch import registered_rule
+from ..rules.registry import _NEEDED, Rule, missing_rule
 
 _STRUCT = (tuple, list, dict)
 
@@ -55,32 +55,18 @@ def has_float(v: Any) -> bool:
     return any(is_float(x) for x in pytree.tree_leaves(v))
 
 
-def rule_key(gm: fx.GraphModule, node: fx.Node) -> Any:
-    if node.op == "call_function":
-        return node.target
-    if node.op == "call_method":
-        return getattr(torch.Tensor, node.target, node.target)
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target))
-    return None
-
-
 def rule_for(gm: fx.GraphModule, node: fx.Node, em: Emitter) -> Rule | None:
     """The rule that differentiates ``node``: a custom ``autograd.Function``'s own
-    backward/jvp (:mod:`fxad.ad.custom_function`), else the registered rule (the complex
-    variant for complex values, see :mod:`fxad.rules.complex`), else None."""
+    backward/jvp (:mod:`fxad.ad.custom_function`), the control-flow rules
+    (:mod:`fxad.ad.control_flow`), else the registered rule
+    (:func:`fxad.rules.dispatch.registered_rule`), else None."""
     from .control_flow import control_flow_rule, is_control_flow
     from .custom_function import custom_function_rule, is_custom_function
     if is_custom_function(node):
         return custom_function_rule(node, em)
     if is_control_flow(node):
         return control_flow_rule(node)
-    key = rule_key(gm, node)
-    rule = lookup(key)
-    if rule is None and node.op == "call_function":
-        from ..rules.fallback import custom_op_rule
-        rule = custom_op_rule(key)  # another library's torch.library op: its autograd
-    return complex_select(key, rule, node)
+    return registered_rule(gm, node)
 
 
 def node_desc(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -554,10 +540,10 @@ def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool,
     Returns:
         (graph, info) with ``info`` holding ``cotangent_names``, ``param_names``.
     """
-    from ..capture.tracer import _record_factories
+    from ..graph.factories import record_factories
 
     tr = ReverseTransform(gm, with_params=with_params, argnums=argnums)
-    with _record_factories(tr.em):  # torch.zeros(...) inside rules writes graph code
+    with record_factories(tr.em):  # torch.zeros(...) inside rules writes graph code
         inputs, out_node = tr.forward()
         cot_names = tr.backward(out_node)
     outputs = tr._load(out_node.args[0])

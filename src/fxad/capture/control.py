@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from .proxy import fake_mode, user_source_loc
+from ..graph.proxy import fake_mode, user_source_loc
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ def _unify(graphs: list[tuple[fx.GraphModule, list[Any]]]) -> tuple[list[fx.Grap
 
 
 def _snapshot_of(t: Any) -> Any:
-    from .proxy import to_fake
+    from ..graph.proxy import to_fake
     if isinstance(t, FakeTensor):
         with torch._C.DisableTorchFunction(), torch.no_grad():
             return t.detach()

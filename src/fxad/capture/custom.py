@@ -42,7 +42,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InplaceError
-from .proxy import fake_mode, user_source_loc
+from ..graph.proxy import fake_mode, user_source_loc
 
 
 @dataclass

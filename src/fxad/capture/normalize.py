@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .proxy import compute_meta, take_name
+from ..graph.proxy import compute_meta, take_name
 
 _METHOD_TO_OPERATOR: dict[str, Callable] = {
     "add": operator.add, "__add__": operator.add, "sub": operator.sub, "__sub__": operator.sub,

@@ -56,7 +56,7 @@ Policies:
   are raised as in eager mode, and a result dtype that differs from the tensor's (in-place
   ops keep ``self``'s dtype) gets an explicit cast.
 
-Node meta keys written here: ``val`` and ``fxad_loc`` (see :mod:`fxad.capture.proxy`),
+Node meta keys written here: ``val`` and ``fxad_loc`` (see :mod:`fxad.graph.proxy`),
 ``fxad_input`` (placeholders of the program's inputs), ``fxad_side_effect`` (a buffer update
 such as BatchNorm's ``num_batches_tracked.add_(1)``, kept as an in-place call),
 ``fxad_no_grad`` (computed with gradients disabled), ``fxad_value`` (a known value, above),
@@ -83,68 +83,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, InplaceError, InputError, SourceLoc
-from .proxy import (compute_meta, describe_target, fake_mode, in_meta_computation, to_fake,
+from ..graph.factories import CONV_GRADS, FACTORIES
+from ..graph.proxy import (compute_meta, describe_target, fake_mode, in_meta_computation, to_fake,
                     user_source_loc)
-
-# ---------------------------------------------------------------------------------------------
-# Factories recorded by the graph *emitters* of the AD transforms (not by capture, whose mode
-# sees every torch call): ``torch.zeros(...)`` called by a rule on concrete shapes writes code.
-# ---------------------------------------------------------------------------------------------
-
-_FACTORIES = (
-    "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "eye",
-    "rand", "randn", "randint", "randperm", "tril_indices", "triu_indices", "tensor",
-)
-
-_CONV_GRADS = tuple(f"conv{n}d_{w}" for n in (1, 2, 3) for w in ("input", "weight"))
-
-
-@contextlib.contextmanager
-def _record_factories(tracer: Any) -> Iterator[None]:
-    """While active, ``torch.zeros(...)`` and the other factories (and the Python-level
-    convolution gradients of ``torch.nn.grad``) called with concrete arguments append a node
-    through ``tracer.create_proxy`` instead of allocating: used by the emitters that write
-    derivative code (:class:`fxad.capture.proxy.Emitter`)."""
-    originals = {name: getattr(torch, name) for name in _FACTORIES}
-
-    def make(name: str, orig: Callable) -> Callable:
-        orig = getattr(orig, "__wrapped__", orig)  # nested: the real factory, not the outer one
-
-        def factory(*args: Any, **kwargs: Any) -> Any:
-            if in_meta_computation():
-                return orig(*args, **kwargs)
-            return tracer.create_proxy("call_function", orig, args, kwargs)
-        factory.__name__ = name
-        factory.__wrapped__ = orig  # type: ignore[attr-defined]
-        return factory
-
-    import torch.nn.grad as nn_grad
-    grads = {name: getattr(nn_grad, name) for name in _CONV_GRADS if hasattr(nn_grad, name)}
-
-    def make_grad(orig: Callable) -> Callable:
-        orig = getattr(orig, "__wrapped__", orig)
-
-        def conv_grad(*args: Any, **kwargs: Any) -> Any:
-            if in_meta_computation() or not any(isinstance(a, fx.Proxy) for a in
-                                                pytree.tree_leaves((args, kwargs))):
-                return orig(*args, **kwargs)
-            return tracer.create_proxy("call_function", orig, args, kwargs)
-        conv_grad.__name__ = orig.__name__
-        conv_grad.__wrapped__ = orig  # type: ignore[attr-defined]
-        return conv_grad
-
-    try:
-        for name, orig in originals.items():
-            setattr(torch, name, make(name, orig))
-        for name, orig in grads.items():
-            setattr(nn_grad, name, make_grad(orig))
-        yield
-    finally:
-        for name, orig in originals.items():
-            setattr(torch, name, orig)
-        for name, orig in grads.items():
-            setattr(nn_grad, name, orig)
-
 
 # ---------------------------------------------------------------------------------------------
 # How each torch call is recorded
@@ -194,7 +135,7 @@ def symbolic_shapes(mode: Any) -> Iterator[None]:
     """Capture with ``mode`` (a FakeTensorMode with a ShapeEnv) as the fake mode, accepting
     symbolic sizes as arguments: the run :mod:`fxad.dynamic` uses to find the program's
     decisions on sizes (its graph is discarded)."""
-    from . import proxy
+    from ..graph import proxy
     old = proxy._FAKE_MODE
     proxy._FAKE_MODE = mode
     _STATE.symbolic = True
@@ -761,7 +702,7 @@ class _Capture:
     # -- recording ----------------------------------------------------------------------------
     def compute(self, func: Callable, args: tuple, kwargs: dict, what: str) -> Any:
         """Run ``func`` on fake values, turning failures into fxad errors."""
-        from .shapes import OUTPUT_META
+        from ..graph.shapes import OUTPUT_META
         fargs, fkwargs = self.to_fake_arg(args), self.to_fake_arg(kwargs)
         run = OUTPUT_META.get(func, func) if _hashable(func) else func
         self.suspended += 1  # the patched entry points (modules, autograd.Function) pass through
@@ -1416,13 +1357,13 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
     patched: list[tuple[Any, str, Any, Any]] = control_flow_patches()  # (ns, name, old, new)
     # a capture started while a derivative engine writes code (a rule differentiating a
     # control-flow branch) must see the real factories, not the engine's recording ones
-    for name in _FACTORIES:
+    for name in FACTORIES:
         cur = getattr(torch, name)
         real = getattr(cur, "__wrapped__", cur)
         if real is not cur:
             patched.append((torch, name, cur, real))
     grads = {}
-    for name in _CONV_GRADS:
+    for name in CONV_GRADS:
         cur = getattr(nn_grad, name, None)
         if cur is not None:
             grads[name] = getattr(cur, "__wrapped__", cur)

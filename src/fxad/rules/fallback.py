@@ -14,7 +14,7 @@ stays standalone and readable::
 
 (forward mode: :func:`autograd_jvp`, through ``torch.func.jvp``).  The backward recomputes
 the op, so fallback code is slower than a hand-written rule and not source-to-source below
-the op; ``python -m fxad.coverage`` reports fallback-covered ops separately.
+the op; ``python -m fxad.tools.coverage`` reports fallback-covered ops separately.
 
 A hand-written rule always wins: fallbacks are only registered for ops that have none when
 this module is imported, and :func:`fxad.register_vjp` replaces a fallback without
@@ -163,7 +163,7 @@ def autograd_vjp(op: Any, args: tuple, kwargs: dict, d_out: Any) -> tuple:
     op = _resolve(op)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
-    from ..capture.proxy import in_meta_computation
+    from ..graph.proxy import in_meta_computation
     if in_meta_computation():  # shapes only: one cotangent shaped like each floating leaf
         return tuple(torch.zeros_like(leaves[i]) for i in slots)
     xs = [leaves[i].detach() for i in slots]
@@ -217,9 +217,9 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
     prim = tuple(leaves[i] for i in slots)
-    from ..capture.proxy import in_meta_computation
+    from ..graph.proxy import in_meta_computation
     if in_meta_computation():  # shapes only (torch.func cannot load its tables in fake mode)
-        from ..capture.shapes import OUTPUT_META
+        from ..graph.shapes import OUTPUT_META
         a, kw = pytree.tree_unflatten(leaves, spec)
         out = OUTPUT_META[op](*a, **kw) if op in OUTPUT_META else op(*a, **kw)
         return out, pytree.tree_map(lambda o: o.clone() if _is_diff(o) else None, out)
@@ -383,7 +383,7 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     """At transform time, on fake tensors: raise :class:`fxad.MissingRuleError` when autograd
     has no derivative for this call either (e.g. ``torch.special.airy_ai``), instead of
     generating code that fails when it runs."""
-    from ..capture.proxy import fake_mode
+    from ..graph.proxy import fake_mode
     from .registry import missing_rule
 
     def conv(v: Any) -> Any:
@@ -396,7 +396,7 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     if any(isinstance(v, torch.fx.Proxy) and not isinstance(v.node.meta.get("val"), torch.Tensor)
            for v in pytree.tree_leaves((args, kwargs))):
         return
-    from ..capture import proxy as _proxy
+    from ..graph import proxy as _proxy
 
     _proxy._STATE.in_meta = getattr(_proxy._STATE, "in_meta", 0) + 1  # factories: no recording
     try:

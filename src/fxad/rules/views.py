@@ -1312,7 +1312,7 @@ _AsStrided.make(torch.as_strided_copy, "torch.as_strided_copy")
 # PyTorch 2.13's own backward for ``input`` (as_strided_scatter_backward) returns ``d`` *at*
 # the strided positions and zeros elsewhere, the complement of the true derivative, so the
 # autograd fallback would be wrong here; this rule is checked against finite differences
-# instead (fxad.coverage._AUTOGRAD_WRONG, tests/test_rules.py).
+# instead (fxad.tools.coverage._AUTOGRAD_WRONG, tests/test_rules.py).
 @builtin(torch.as_strided_scatter)
 class AsStridedScatter:
     """as_strided_scatter(x, src, size, stride, storage_offset): d_x = d with the strided

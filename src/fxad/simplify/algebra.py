@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture.proxy import compute_meta, take_name
+from ..graph.proxy import compute_meta, take_name
 from ._util import replace, same_type, val
 
 _ZERO_FACTORIES = (torch.zeros_like, torch.zeros)

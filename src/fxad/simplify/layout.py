@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture.proxy import fetch_attr
+from ..graph.proxy import fetch_attr
 
 __all__ = ["channels_last_convolutions", "convolution_weight_slot"]
 

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
-from ..errors import FxadError, RuleError
+from ...errors import FxadError, RuleError
 from . import oracle
 from .generator import eager_ok, generate
 from .program import Program, Stmt, forget
@@ -306,7 +306,7 @@ def reproducer_source(prog: Program, outcome: Outcome) -> str:
         f"{prog.source()}\n\n"
         f"{prog.input_source()}"
         f"SEED = {prog.input_seed}\n\n"
-        "# ---- the oracle of fxad.fuzz (eager PyTorch float64 vs fxad) ----\n"
+        "# ---- the oracle of fxad.tools.fuzz (eager PyTorch float64 vs fxad) ----\n"
         f"{oracle_src}\n\n"
         "if __name__ == \"__main__\":\n"
         f"{main}"
@@ -365,7 +365,7 @@ def run_batch(n: int, seed: int, *, modes: Iterable[str] = MODES, out_dir: str |
               focus: tuple[str, ...] = (),
               log: Callable[[str], None] | None = None) -> Summary:
     """Generate and check programs ``start .. start+n-1`` of batch ``seed`` (see
-    :func:`fxad.fuzz.generate` for ``focus``)."""
+    :func:`fxad.tools.fuzz.generate` for ``focus``)."""
     modes = tuple(modes)
     summary = Summary(mode_counts={m: {c: 0 for c in CLASSES} for m in modes})
     shrunk_per_sig: dict[str, int] = {}

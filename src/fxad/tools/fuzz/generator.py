@@ -4,7 +4,7 @@ Programs are built one statement at a time while being run eagerly on their exam
 (float64), so every choice can look at real shapes and values: a ``log`` gets a positive
 operand, a division a denominator away from zero, an index tensor values in range.  A
 statement that fails eagerly or makes a non-finite or huge value is dropped.  The finished
-program must also pass the eager reference of both modes (:mod:`fxad.fuzz.oracle`) with finite
+program must also pass the eager reference of both modes (:mod:`fxad.tools.fuzz.oracle`) with finite
 derivatives; otherwise it is generated again (same seed, next attempt), so a seed always gives
 the same program.
 

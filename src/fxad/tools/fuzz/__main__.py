@@ -1,4 +1,4 @@
-"""``python -m fxad.fuzz --n N --seed S [--out DIR] [--mode reverse|forward|both]``."""
+"""``python -m fxad.tools.fuzz --n N --seed S [--out DIR] [--mode reverse|forward|both]``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from .runner import run_batch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m fxad.fuzz",
+        prog="python -m fxad.tools.fuzz",
         description="Random programs through fxad.vjp/fxad.jvp, compared with eager PyTorch "
                     "(float64); writes a minimal reproducer for each wrong result or crash.")
     p.add_argument("--n", type=int, default=500, help="number of programs (default 500)")

@@ -26,7 +26,7 @@ class Stmt:
     Attributes:
         text: the Python statement (``v3 = torch.sin(v1)``, ``v2.add_(x0)``).
         defs: the names it binds (empty for an in-place statement).
-        family: the op family it was drawn from (see :data:`fxad.fuzz.generator.FAMILIES`).
+        family: the op family it was drawn from (see :data:`fxad.tools.fuzz.generator.FAMILIES`).
     """
 
     text: str

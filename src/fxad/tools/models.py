@@ -1,6 +1,6 @@
 """Real-model suite: fxad on model code it did not write.
 
-``python -m fxad.models [--only NAME ...] [--threads 1] [--steps 20]``
+``python -m fxad.tools.models [--only NAME ...] [--threads 1] [--steps 20]``
 
 Models built from small configurations with random weights (nothing is downloaded):
 Hugging Face ``transformers`` GPT-2 (with its default KV cache on), BERT, Llama (grouped-query
@@ -316,7 +316,7 @@ def time_case(case: Case, *, rounds: int = 20, threads: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fxad.models", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fxad.tools.models", description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", help="substrings of case names to run")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds per model")
