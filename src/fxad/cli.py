@@ -33,11 +33,17 @@ import os
 import sys
 import traceback
 import warnings
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 
+from .api import grad, show, vjp
+from .check import check
+from .demo.train import QUICK, DemoConfig, run_demo
 from .errors import CheckError, FxadError
+from .rules.fallback import FallbackWarning
+from .view import view
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
 
@@ -176,28 +182,24 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, list[Any], tuple[type, ...]
 # ------------------------------------------------------------------------------------------
 
 def cmd_show(args: argparse.Namespace) -> int:
-    import fxad
-
     obj, inputs, leaves = _prepare(args)
-    build = fxad.grad if args.grad else fxad.vjp
+    build = grad if args.grad else vjp
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", fxad.FallbackWarning)
+        warnings.simplefilter("always", FallbackWarning)
         gm = build(obj, *inputs, leaf_modules=leaves)
     for w in caught:  # the autograd fallback: one note (its lines are marked in the code)
-        if issubclass(w.category, fxad.FallbackWarning):
+        if issubclass(w.category, FallbackWarning):
             print(f"fxad: warning: {w.message} (marked `# autograd fallback` below)",
                   file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.html:  # the interactive page (fxad.view) instead of the text
-        from .view import view
-
         title = f"{args.target} · {'fxad.grad' if args.grad else 'fxad.vjp'}"
         path = view(gm, policy=args.policy, title=title).save(args.html)
         print(f"fxad: wrote {path} ({os.path.getsize(path) // 1024} KiB, self-contained: open "
               "it in a browser)", file=sys.stderr)
         return EXIT_OK
-    fxad.show(gm, color=False if args.no_color else None)
+    show(gm, color=False if args.no_color else None)
     return EXIT_OK
 
 
@@ -206,20 +208,14 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    import fxad
-
     obj, inputs, leaves = _prepare(args)
-    report = fxad.check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed,
-                        leaf_modules=leaves)
+    report = check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed,
+                   leaf_modules=leaves)
     print(report)
     return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from .demo.train import QUICK, DemoConfig, run_demo
-
     cfg = QUICK if args.quick else DemoConfig()
     changes: dict[str, Any] = {}
     if args.steps is not None:
@@ -245,7 +241,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import __version__  # the package's attribute (set once fxad is imported), no module
 
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -44,7 +44,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import codegen
+from .capture import tracer
 from .errors import InputError
+from .guards import _TensorSlot
 
 __all__ = ["DynamicWarning", "generalize", "parse_dynamic"]
 
@@ -109,8 +112,6 @@ def _symbolic_run(f: Any, examples: Sequence[Any], pairs: list[tuple[int, int]]
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
-
-    from .capture import tracer
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
@@ -252,14 +253,15 @@ def _close(a: Any, b: Any) -> bool:
 
 def generalize(build: Callable[[tuple], fx.GraphModule], f: Any, names: Sequence[str],
                examples: tuple, dynamic: Any, base: fx.GraphModule, *,
-               run: Callable[[fx.GraphModule, tuple, fx.GraphModule], Any]) -> fx.GraphModule:
+               run: Callable[[fx.GraphModule, tuple, fx.GraphModule], Any],
+               stacklevel: int = 3) -> fx.GraphModule:
     """Make the dimensions marked ``dynamic`` generic in ``base`` (built by ``build(examples)``);
     see the module docstring.  ``run(gm, inputs, seed)`` calls a module on inputs with
     seeded cotangents/tangents shaped like those of a third module's (a static build at the
     verification size) and returns its results (for the numeric verification).
 
     Returns ``base`` itself, rewritten (or unchanged where nothing could be made generic, with
-    a :class:`DynamicWarning`).
+    a :class:`DynamicWarning`, issued at ``stacklevel`` counted from this function).
     """
     pairs = parse_dynamic(dynamic, names, examples)
     if not pairs:
@@ -271,12 +273,12 @@ def generalize(build: Callable[[tuple], fx.GraphModule], f: Any, names: Sequence
         warnings.warn(f"dynamic=: every marked dimension stays static: the program could not "
                       f"be analysed on symbolic sizes ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''})", DynamicWarning,
-                      stacklevel=3)
+                      stacklevel=stacklevel)
         return base
     groups, pinned, predicates = _classes(pairs, syms, guards)
     for p, why in pinned.items():
         warnings.warn(f"dynamic=: {where[p]} stays static: the program {why}", DynamicWarning,
-                      stacklevel=3)
+                      stacklevel=stacklevel)
     groups = [g for g in groups if not any(p in pinned for p in g)]
     if len(groups) > MAX_SYMBOLS:
         raise InputError(f"dynamic=: {len(groups)} independent sizes; fxad makes at most "
@@ -287,7 +289,7 @@ def generalize(build: Callable[[tuple], fx.GraphModule], f: Any, names: Sequence
             return result
         bad, why = result
         warnings.warn(f"dynamic=: {', '.join(where[p] for p in groups[bad])} stays static: "
-                      f"{why}", DynamicWarning, stacklevel=3)
+                      f"{why}", DynamicWarning, stacklevel=stacklevel)
         groups = groups[:bad] + groups[bad + 1:]
     return base
 
@@ -444,7 +446,6 @@ def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     its meta and of its input spec) over a copy of its graph, to rewrite."""
     import copy
 
-    from . import codegen
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # graph_copy leaves the output node out
     graph._codegen = copy.copy(gm.graph._codegen)
@@ -594,7 +595,6 @@ def _guard(gm: fx.GraphModule, groups: list[list[tuple[int, int]]], predicates: 
     spec = gm.meta.get("fxad_input_spec")
     if spec is None:
         return
-    from .guards import _TensorSlot
     spec.symbols.clear()
     spec.predicates.clear()
     for k, g in enumerate(groups):

@@ -13,9 +13,14 @@ Dimensions made generic with ``dynamic=`` (:mod:`fxad.dynamic`) are left out of 
 check; the guard then checks what stayed specialized, that dimensions sharing a size
 symbol still agree (``x.shape[0] == y.shape[0]``), and that the size is one the generic code
 was verified for (at least the smallest size probed).
+
+A module captured from an ``nn.Module`` also bakes in each submodule's training flag
+(dropout, batch-norm statistics): :func:`install_mode_check` warns with a
+:class:`ModeWarning` when it is called after the flags changed.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import InputError
 
-__all__ = ["InputSpec", "spec_of"]
+__all__ = ["InputSpec", "spec_of", "ModeWarning", "install_mode_check"]
 
 
 @dataclass(frozen=True)
@@ -221,3 +226,34 @@ def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
                    if isinstance(examples[i], torch.Tensor)}
     spec.constants = list(constants)
     return spec
+
+
+class ModeWarning(UserWarning):
+    """A graph captured in training (eval) mode was called while the module is in eval
+    (training) mode: flags such as dropout and batch-norm statistics were baked in."""
+
+
+def install_mode_check(gm: Any, mod: torch.nn.Module) -> None:
+    """Record ``mod``'s training flags in ``gm.meta['fxad_training_flags']`` (``gm``: a
+    generated GraphModule) and warn (a :class:`ModeWarning`) on every call of ``gm`` made
+    after they changed."""
+    captured = {n: m.training for n, m in mod.named_modules()}
+    gm.meta["fxad_training_flags"] = captured
+
+    pairs = [(m, m.training) for _, m in mod.named_modules()]
+
+    def hook(_gm: Any, _args: Any) -> None:
+        if all(m.training is flag for m, flag in pairs):  # cheap per-call check
+            return
+        now = {n: m.training for n, m in mod.named_modules()}
+        if now != captured:
+            diff = next(n for n in captured if now.get(n) != captured[n])
+            mode = "training" if captured[diff] else "eval"
+            warnings.warn(
+                f"this fxad graph was captured with {type(mod).__name__}"
+                f"{'.' + diff if diff else ''} in {mode} mode, but the module is now in "
+                f"{'eval' if mode == 'training' else 'training'} mode; dropout and "
+                "batch-norm behaviour are baked in at capture: capture again after "
+                "switching modes", ModeWarning, stacklevel=2)
+
+    gm.register_forward_pre_hook(hook)

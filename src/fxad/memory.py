@@ -2,10 +2,11 @@
 
 :func:`simulate` walks an FX graph once, as its generated code runs it, and tracks which
 storages are alive: a node that computes a tensor allocates ``numel * itemsize`` bytes
-(``meta['val']``), a view (``op_kind`` in :data:`fxad.residuals.VIEW_OPS`, and ``getitem``
-of a multi-output node) shares its base's storage, and a storage is freed after the last node
-that reads it or any of its views (graph outputs live to the end).  Placeholders and
-``get_attr`` reads (inputs, parameters, buffers) are owned by the caller and count 0 bytes.
+(``meta['val']``, :func:`nbytes`), a view (:func:`is_view`: ``op_kind`` in
+:data:`fxad.op_kinds.VIEW_OPS`, and ``getitem`` of a multi-output node) shares its base's
+storage, and a storage is freed after the last node that reads it or any of its views (graph
+outputs live to the end).  Placeholders and ``get_attr`` reads (inputs, parameters, buffers)
+are owned by the caller and count 0 bytes.
 
 It is an estimate, not a measurement: a compiler that fuses elementwise ops never allocates
 their intermediates, and an allocator rounds sizes.  It serves to compare two orders of the
@@ -21,11 +22,13 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
-from .residuals import VIEW_OPS, nbytes, op_kind
+from .op_kinds import VIEW_OPS, op_kind
 
-__all__ = ["MemoryEstimate", "simulate"]
+__all__ = ["MemoryEstimate", "simulate", "nbytes", "is_view"]
 
 
 @dataclass
@@ -45,7 +48,16 @@ class MemoryEstimate:
     bytes_per_node: list[int]
 
 
-def _is_view(node: fx.Node) -> bool:
+def nbytes(node: fx.Node) -> int:
+    """Bytes of a node's value from ``meta['val']`` (0 for non-tensor values)."""
+    return sum(int(v.numel()) * v.element_size()
+               for v in pytree.tree_leaves(node.meta.get("val"))
+               if isinstance(v, torch.Tensor))
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s value shares its first input's storage: a view op
+    (:data:`fxad.op_kinds.VIEW_OPS`) or ``getitem`` of a multi-output node."""
     if node.op == "call_function" and node.target is operator.getitem:
         return True
     return node.op in ("call_function", "call_method") and op_kind(node) in VIEW_OPS
@@ -69,7 +81,7 @@ def simulate(graph: fx.Graph,
     for n in nodes:
         if n.op in ("placeholder", "get_attr"):
             root[n], size[n] = n, 0
-        elif _is_view(n) and n.all_input_nodes:
+        elif is_view(n) and n.all_input_nodes:
             root[n] = root[n.all_input_nodes[0]]
         else:
             root[n], size[n] = n, nbytes(n)

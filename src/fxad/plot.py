@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import FxadError, InputError
+from .view import View
+from .view.model import build, fmt_bytes
 
 __all__ = ["memory", "coverage", "read_coverage", "default_report", "MissingExtraError",
            "STATUS_COLORS"]
@@ -96,9 +98,6 @@ def memory(gm: Any, path: str | os.PathLike | None = None, *,
         fxad.InputError: a policy for a graph without backward code.
     """
     Figure, Canvas = _matplotlib()
-    from .view import View
-    from .view.model import build, fmt_bytes
-
     if isinstance(gm, View):
         models = [(gm.model.policy or "as generated", gm.model)]
     else:

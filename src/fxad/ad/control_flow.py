@@ -27,6 +27,8 @@ import torch.fx as fx
 from .. import ops
 from ..graph.proxy import fetch_attr, to_fake
 from ..rules.registry import Rule
+from .node_rules import register_node_rule
+from .transform import body_jvp, body_vjp
 
 _CACHE_KEY = "_fxad_control_derivatives"
 
@@ -65,16 +67,15 @@ def _attach(em: Any, gm: fx.GraphModule, stem: str) -> Any:
 
 
 def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -> fx.GraphModule:
-    """The VJP (``kind="vjp"``) or JVP of a captured subgraph, built once per subgraph."""
-    from ..api import vjp as fxad_vjp
-    from ..higher import jvp as fxad_jvp
+    """The VJP (``kind="vjp"``) or JVP of a captured subgraph, built once per subgraph by
+    the engine entry (:func:`fxad.ad.transform.body_vjp` / :func:`~fxad.ad.transform.body_jvp`)."""
     # kept on the module object itself (a module's ``meta`` is copied into the modules built
     # from it, so it cannot hold a per-module cache)
     cache = gm.__dict__.setdefault(_CACHE_KEY, {})
     key = (kind,) + tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
                           for v in examples)
     if key not in cache:
-        cache[key] = (fxad_vjp if kind == "vjp" else fxad_jvp)(gm, *examples)
+        cache[key] = (body_vjp if kind == "vjp" else body_jvp)(gm, examples)
     return cache[key]
 
 
@@ -247,3 +248,7 @@ def control_flow_rule(node: fx.Node) -> Rule:
     if node.target is ops.scan:
         return scan_rule(node)
     return while_loop_rule(node)
+
+
+# the sweeps find these rules through fxad.ad.node_rules (fxad.ad imports this module)
+register_node_rule(is_control_flow, lambda gm, node, em: control_flow_rule(node))

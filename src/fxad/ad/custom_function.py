@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..ops import autograd_function
 from ..rules.registry import Rule
+from .node_rules import register_node_rule
 
 
 def is_custom_function(node: fx.Node) -> bool:
@@ -51,7 +53,6 @@ def inline(gm: fx.GraphModule, values: list[Any], em: Any) -> Any:
 
 def _emitter(*values: Any) -> Any:
     """The emitter (proxy tracer) writing the graph the given proxies belong to."""
-    from torch.utils import _pytree as pytree
     for v in pytree.tree_leaves(values):
         if isinstance(v, fx.Proxy):
             return v.tracer
@@ -111,3 +112,7 @@ def custom_function_rule(node: fx.Node, em: Any) -> Rule:
                 source=f"the custom torch.autograd.Function {rec.cls.__qualname__}: its own "
                        "backward" + (" and jvp" if rec.jvp is not None else ""),
                 params=("name", "inputs", "outputs", "saved"), residuals="inputs+output")
+
+
+# the sweeps find this rule through fxad.ad.node_rules (fxad.ad imports this module)
+register_node_rule(is_custom_function, lambda gm, node, em: custom_function_rule(node, em))

@@ -49,11 +49,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..graph.proxy import Emitter
+from ..capture.normalize import normalize
 from ..errors import RuleError
+from ..graph.factories import record_factories
+from ..graph.proxy import Emitter
+from ..rules.fused import fused_kernels
 from ..rules.registry import Rule, missing_rule
-from .reverse import (ReverseTransform, _is_structural_getitem, activity, copy_node, has_float,
-                      is_float, node_desc, rule_errors, rule_for)
+from .modules import ModuleRef, ModuleSlot
+from .node_rules import rule_for
+from .reverse import (ReverseTransform, _is_structural_getitem, activity, build_vjp_graph,
+                      copy_node, has_float, is_float, node_desc, rule_errors)
 
 _STRUCT = (tuple, list, dict)
 TANGENT_PREFIX = "dot_"
@@ -209,7 +214,6 @@ class ForwardTransform:
         kwargs = self._load(node.kwargs)
         src_args = tuple(node.args)
         if node.op == "call_module":
-            from .modules import ModuleRef, ModuleSlot
             args = (ModuleRef(self.em, node.target, gm.get_submodule(node.target)),) + tuple(args)
             src_args = (ModuleSlot(node.target),) + src_args
         sig = rule.signature
@@ -304,13 +308,6 @@ class ForwardTransform:
         reverse transform over the code ``bwd`` writes, with the input tangents ``tᵢ`` as the
         cotangents of its outputs.  The result does not depend on ``u`` (linearity).
         """
-        from ..capture.normalize import normalize
-        from ..graph.factories import record_factories
-        from .modules import ModuleRef
-        from .reverse import build_vjp_graph
-
-        from ..rules.fused import fused_kernels
-
         desc = node_desc(self.gm, node)
         with fused_kernels(False):  # fused backward kernels have no rules to transpose with
             value, aux = rule.fwd(*args, **kwargs)
@@ -532,8 +529,6 @@ def build_jvp_graph(gm: fx.GraphModule, *, root: torch.nn.Module | None = None,
         (graph, info) with ``info["tangent_placeholders"]`` and ``info["differentiated"]``
         (per input: whether it has a tangent).
     """
-    from ..graph.factories import record_factories
-
     tr = ForwardTransform(gm, root if root is not None else gm, argnums=argnums)
     with record_factories(tr.em):  # type: ignore[arg-type]
         inputs, out_node = tr.run()

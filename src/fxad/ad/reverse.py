@@ -39,10 +39,12 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..graph.proxy import Emitter, TensorProxy, describe_target, fetch_attr
 from ..errors import FxadError, RuleError
-from ..rules.dispatch import registered_rule
+from ..graph.factories import record_factories
+from ..graph.proxy import Emitter, TensorProxy, describe_target, fetch_attr
 from ..rules.registry import _NEEDED, Rule, missing_rule
+from .modules import ModuleRef, ModuleSlot
+from .node_rules import rule_for
 
 _STRUCT = (tuple, list, dict)
 
@@ -53,20 +55,6 @@ def is_float(v: Any) -> bool:
 
 def has_float(v: Any) -> bool:
     return any(is_float(x) for x in pytree.tree_leaves(v))
-
-
-def rule_for(gm: fx.GraphModule, node: fx.Node, em: Emitter) -> Rule | None:
-    """The rule that differentiates ``node``: a custom ``autograd.Function``'s own
-    backward/jvp (:mod:`fxad.ad.custom_function`), the control-flow rules
-    (:mod:`fxad.ad.control_flow`), else the registered rule
-    (:func:`fxad.rules.dispatch.registered_rule`), else None."""
-    from .control_flow import control_flow_rule, is_control_flow
-    from .custom_function import custom_function_rule, is_custom_function
-    if is_custom_function(node):
-        return custom_function_rule(node, em)
-    if is_control_flow(node):
-        return control_flow_rule(node)
-    return registered_rule(gm, node)
 
 
 def node_desc(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -246,7 +234,6 @@ class ReverseTransform:
         args = self._load(node.args)
         kwargs = self._load(node.kwargs)
         if node.op == "call_module":
-            from .modules import ModuleRef
             args = (ModuleRef(self.em, node.target, gm.get_submodule(node.target)),) + tuple(args)
         try:
             bound = rule.signature.bind(*args, **kwargs)
@@ -423,7 +410,6 @@ class ReverseTransform:
         assert rule is not None
         args = tuple(node.args)
         if node.op == "call_module":
-            from .modules import ModuleSlot
             args = (ModuleSlot(node.target),) + args
         b = rule.signature.bind(*args, **node.kwargs)
         return dict(b.arguments)
@@ -440,7 +426,7 @@ class ReverseTransform:
                     f"sequence of {len(src)}, so its cotangent must be a sequence of that length")
             for s, ci in zip(src, c):
                 self._match(s, ci, node, pname)
-        elif type(src).__name__ == "ModuleSlot":
+        elif isinstance(src, ModuleSlot):
             if not isinstance(c, dict):
                 raise RuleError(f"bwd of the rule for {node_desc(self.gm, node)} must return a "
                                 "dict {param_name: cotangent} for the module argument")
@@ -540,8 +526,6 @@ def build_vjp_graph(gm: fx.GraphModule, *, with_params: bool,
     Returns:
         (graph, info) with ``info`` holding ``cotangent_names``, ``param_names``.
     """
-    from ..graph.factories import record_factories
-
     tr = ReverseTransform(gm, with_params=with_params, argnums=argnums)
     with record_factories(tr.em):  # torch.zeros(...) inside rules writes graph code
         inputs, out_node = tr.forward()

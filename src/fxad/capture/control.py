@@ -31,6 +31,7 @@ predicate at run time, so one build is right for any data.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -39,7 +40,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..graph.proxy import fake_mode, user_source_loc
+from ..graph.proxy import fake_mode, to_fake, user_source_loc
+from ..ops import cond as cond_op
+from ..ops import scan as scan_op
+from ..ops import while_loop as while_op
+from .normalize import normalize
+from .patching import namespace_patches, user_globals
+from .state import current, snapshot
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -52,24 +59,21 @@ def subgraph(cap: Any, fn: Callable, operands: Sequence[Any], name: str
              ) -> tuple[fx.GraphModule, list[Any]]:
     """Capture ``fn(*operands)`` as a graph whose inputs are the operands followed by the
     tensors it reads from outside (returned, in order, as the second item)."""
-    from .normalize import normalize
-    from .tracer import _Capture, _capture_environment, _snapshot
-
-    sub = _Capture(cap.root, cap.function_root, cap.leaf_types)
+    sub = cap.subcapture()
     sub.lift = []
     values = []
     for i, v in enumerate(operands):
         ph = sub.graph.placeholder(f"arg{i}")
         if isinstance(v, torch.Tensor):
             fv = _fresh(v)
-            ph.meta["val"] = _snapshot(fv)
+            ph.meta["val"] = snapshot(fv)
             sub.track(fv, ph)
             sub.input_roots[id(fv)] = ph
             values.append(fv)
         else:
             ph.meta["val"] = v
             values.append(v)
-    with _capture_environment(sub), torch.enable_grad(), sub.mode:
+    with sub.environment(), torch.enable_grad(), sub.mode:
         result = fn(*values)
     if sub.mutated_inputs:
         raise CaptureError(f"{name} mutates its inputs in place, which PyTorch does not allow "
@@ -127,7 +131,6 @@ def _unify(graphs: list[tuple[fx.GraphModule, list[Any]]]) -> tuple[list[fx.Grap
 
 
 def _snapshot_of(t: Any) -> Any:
-    from ..graph.proxy import to_fake
     if isinstance(t, FakeTensor):
         with torch._C.DisableTorchFunction(), torch.no_grad():
             return t.detach()
@@ -143,9 +146,6 @@ def _outputs(gm: fx.GraphModule) -> Any:
 def capture_cond(cap: Any, pred: Any, true_fn: Callable, false_fn: Callable,
                  operands: Sequence[Any] = ()) -> Any:
     """``torch.cond(pred, true_fn, false_fn, operands)`` during capture."""
-    from ..ops import cond as cond_op
-    from .tracer import _snapshot
-
     operands = tuple(operands)
     if not isinstance(pred, torch.Tensor):
         return (true_fn if pred else false_fn)(*operands)  # a Python value: an ordinary if
@@ -176,8 +176,8 @@ def capture_cond(cap: Any, pred: Any, true_fn: Callable, false_fn: Callable,
     value = pytree.tree_unflatten([_fresh(v) for v in t_flat], t_spec)
     node = cap.record("call_function", cond_op, (pred, tn, fn_, operands + tuple(lifted)), {},
                       value, "torch.cond")
-    node.meta["val"] = _snapshot(value) if isinstance(value, torch.Tensor) else \
-        pytree.tree_map(_snapshot, value)
+    node.meta["val"] = snapshot(value) if isinstance(value, torch.Tensor) else \
+        pytree.tree_map(snapshot, value)
     if isinstance(value, torch.Tensor):
         cap.bind_outputs(value, node)
     else:
@@ -188,9 +188,6 @@ def capture_cond(cap: Any, pred: Any, true_fn: Callable, false_fn: Callable,
 def capture_while_loop(cap: Any, cond_fn: Callable, body_fn: Callable,
                        carried_inputs: Sequence[Any], *extra: Any) -> Any:
     """``torch.while_loop(cond_fn, body_fn, carried_inputs)`` during capture."""
-    from ..ops import while_loop as while_op
-    from .tracer import _snapshot
-
     if extra:
         raise CaptureError("torch.while_loop with additional_inputs is not supported",
                            op="torch.while_loop", loc=user_source_loc(),
@@ -221,7 +218,7 @@ def capture_while_loop(cap: Any, cond_fn: Callable, body_fn: Callable,
     value = tuple(_fresh(c) for c in carried)
     node = cap.record("call_function", while_op, (cn, bn, carried, tuple(lifted)), {}, value,
                       "torch.while_loop")
-    node.meta["val"] = tuple(_snapshot(v) for v in value)
+    node.meta["val"] = tuple(snapshot(v) for v in value)
     cap.bind_outputs(value, node)
     return value
 
@@ -238,9 +235,6 @@ def capture_scan(cap: Any, combine_fn: Callable, init: Any, xs: Any, dim: int = 
                  reverse: bool = False, *, is_map: bool = False, args: tuple = ()) -> Any:
     """``torch._higher_order_ops.scan(combine_fn, init, xs, dim=, reverse=)`` (and ``map(f,
     xs, *args)``, a scan without carry) during capture."""
-    from ..ops import scan as scan_op
-    from .tracer import _snapshot
-
     what = "torch map" if is_map else "torch scan"
     c_flat, c_spec = _flat_tensors(init, what)
     x_flat, x_spec = _flat_tensors(xs, what)
@@ -286,8 +280,8 @@ def capture_scan(cap: Any, combine_fn: Callable, init: Any, xs: Any, dim: int = 
     value = (carry_val, ys_val)
     node = cap.record("call_function", scan_op,
                       (bn, c_flat, x_flat, tuple(lifted), dim, reverse), {}, value, what)
-    node.meta["val"] = (tuple(_snapshot(v) for v in carry_val),
-                        tuple(_snapshot(v) for v in ys_val))
+    node.meta["val"] = (tuple(snapshot(v) for v in carry_val),
+                        tuple(snapshot(v) for v in ys_val))
     cap.bind_outputs(value, node)
     nc_spec, y_spec = y_spec_box
     ys_user = pytree.tree_unflatten(list(ys_val), y_spec)
@@ -375,12 +369,10 @@ def eager_semantics(f: Any = None) -> Iterator[None]:
     PyTorch runs its own versions through ``torch.compile``, which cannot run under the
     dispatch modes :func:`fxad.check` uses (and, cached across calls, gave wrong gradients
     for ``while_loop`` in our tests).  fxad's capture still sees them as control flow."""
-    from .tracer import _user_globals, namespace_patches
     impl = {"cond": _eager_cond, "while_loop": _eager_while_loop, "scan": _eager_scan,
             "map": _eager_map}
     patched: list[tuple[Any, str, Any, Any]] = []
     originals: dict[int, Any] = {}
-    import importlib
     for modname, name in (("torch", "cond"), ("torch", "while_loop"),
                           ("torch._higher_order_ops", "cond"),
                           ("torch._higher_order_ops", "while_loop"),
@@ -399,7 +391,7 @@ def eager_semantics(f: Any = None) -> Iterator[None]:
         originals[id(orig)] = impl[name]
         patched.append((ns, name, orig, impl[name]))
     if f is not None:
-        patched.extend(namespace_patches(_user_globals(f), originals))
+        patched.extend(namespace_patches(user_globals(f), originals))
     try:
         for ns, name, _, new in patched:
             setattr(ns, name, new)
@@ -411,10 +403,8 @@ def eager_semantics(f: Any = None) -> Iterator[None]:
 
 def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
     """(namespace, name, original, replacement) for the control-flow entry points."""
-    from .tracer import _STATE
-
     def active() -> Any:
-        cap = getattr(_STATE, "capture", None)
+        cap = current()
         return None if cap is None or cap.suspended else cap
 
     out: list[tuple[Any, str, Any, Any]] = []
@@ -470,7 +460,6 @@ def control_flow_patches() -> list[tuple[Any, str, Any, Any]]:
         associative_scan.__wrapped__ = orig  # type: ignore[attr-defined]
         return associative_scan
 
-    import importlib
     patch(torch, "cond", make_cond)
     patch(torch, "while_loop", make_while)
     for modname, name, make in (("torch._higher_order_ops.cond", "cond", make_cond),

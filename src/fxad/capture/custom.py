@@ -43,6 +43,9 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InplaceError
 from ..graph.proxy import fake_mode, user_source_loc
+from ..ops import autograd_function
+from .normalize import normalize
+from .state import current, has_tensor, snapshot
 
 
 @dataclass
@@ -150,9 +153,6 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
 
 def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any:
     """Capture ``cls.apply(*args, **kwargs)`` (see the module docstring)."""
-    from ..ops import autograd_function
-    from .tracer import _Capture, _has_tensor, _snapshot
-
     name = cls.__name__
     what = f"{name}.apply"
     loc = user_source_loc()
@@ -201,7 +201,7 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
             kept.append(t)
 
     def sub_capture(fn: Callable, lead: list[Any], what_sub: str) -> fx.GraphModule:
-        sub = _Capture(cap.root, cap.function_root, cap.leaf_types)
+        sub = cap.subcapture()
         sub.attr_paths = cap.attr_paths
         sub.module_paths = cap.module_paths
         lead_vals = []
@@ -212,14 +212,14 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
                 lead_vals.append(None)
                 continue
             fv = _fake_like(v)
-            ph.meta["val"] = _snapshot(fv)
+            ph.meta["val"] = snapshot(fv)
             sub.track(fv, ph)
             lead_vals.append(fv)
         repl: dict[int, torch.Tensor] = {}
         for i, t in enumerate(kept):
             ph = sub.graph.placeholder(f"saved{i}")
             fv = _fake_like(t)
-            ph.meta["val"] = _snapshot(fv)
+            ph.meta["val"] = snapshot(fv)
             sub.track(fv, ph)
             repl[id(t)] = fv
 
@@ -232,12 +232,10 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
                           tuple(swap(t) for t in saved),
                           tuple(swap(t) for t in ctx._fxad_saved_fwd))
         rctx.needs_input_grad = ctx.needs_input_grad
-        from .tracer import _capture_environment
-        with _capture_environment(sub), torch.enable_grad(), sub.mode:
+        with sub.environment(), torch.enable_grad(), sub.mode:
             res = fn(rctx, *lead_vals)
         sub.graph.output(sub.arg(res, f"{name}.{what_sub}"))
         gm = fx.GraphModule(cap.root, sub.graph, class_name=f"{name}_{what_sub}")
-        from .normalize import normalize
         normalize(gm)
         return gm
 
@@ -272,7 +270,7 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
                       (name, inputs, value, tuple(kept)), {}, value, what)
     node.meta.pop("fxad_no_grad", None)
     node.meta["fxad_custom_function"] = record
-    if not _has_tensor(value):
+    if not has_tensor(value):
         return out
     cap.bind_outputs(value, node)
     return value
@@ -303,8 +301,7 @@ def patched_checkpoint_generator(original: Callable) -> Callable:
     """``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` for capture: no RNG
     stashing or saved-tensor hooks, the region tagged instead."""
     def gen(fn: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
-        from .tracer import _STATE
-        cap = getattr(_STATE, "capture", None)
+        cap = current()
         if cap is None:
             yield from original(fn, *args, **kwargs)
             return

@@ -79,9 +79,10 @@ _STDLIB_DIR = os.path.dirname(contextlib.__file__)
 _SKIP_DIRS = tuple(os.path.join(d, "") for d in (
     os.path.join(_FXAD_DIR, "capture"), os.path.join(_FXAD_DIR, "ad"),
     os.path.join(_FXAD_DIR, "rules"), os.path.join(_FXAD_DIR, "simplify"),
-    os.path.join(_FXAD_DIR, "codegen"), _TORCH_DIR))
+    os.path.join(_FXAD_DIR, "codegen"), os.path.join(_FXAD_DIR, "check"),
+    os.path.join(_FXAD_DIR, "training"), _TORCH_DIR))
 _SKIP_FILES = tuple(os.path.join(_FXAD_DIR, f) for f in (
-    "api.py", "check.py", "higher.py", "ops.py", "__init__.py", "coverage.py", "training.py"))
+    "api.py", "higher.py", "pipeline.py", "ops.py", "__init__.py", "coverage.py"))
 _SITE_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 

@@ -23,13 +23,18 @@ rest from the module itself (``from fxad.view import View``).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..api import vjp
+from ..demo.models import TinyGPT
 from ..errors import InputError
+from ..training import FxadModule
+from .browser import render_page
 from .model import ViewModel, build, fmt_bytes
 from .render import fragment, new_uid, page
 
@@ -76,10 +81,6 @@ class View:
             fxad.view.browser.BrowserUnavailable: no browser or no Playwright.
             RuntimeError: the page logged errors to the console.
         """
-        from .browser import render_page
-
-        import tempfile
-
         with tempfile.TemporaryDirectory() as d:
             html_path = self.save(Path(d) / "view.html")
             errors = render_page(html_path, screenshot=Path(path), width=width, height=height,
@@ -119,8 +120,6 @@ def view(obj: Any, *inputs: Any, policy: Any = _UNSET, title: str | None = None)
             policy for a graph without backward code.
         fxad.FxadError: from ``fxad.vjp`` when ``obj`` is a function or module.
     """
-    from ..training import FxadModule
-
     if isinstance(obj, View):
         return obj
     if isinstance(obj, FxadModule):
@@ -136,8 +135,6 @@ def view(obj: Any, *inputs: Any, policy: Any = _UNSET, title: str | None = None)
     if not inputs:
         raise InputError(f"fxad.view needs a graph module made by fxad, or example inputs to "
                          f"differentiate {type(obj).__name__} (fxad.view(model, x, y))")
-    from ..api import vjp
-
     gm = vjp(obj, *inputs)
     name = title or (type(obj).__name__ if isinstance(obj, torch.nn.Module)
                      else getattr(obj, "__name__", "f"))
@@ -155,8 +152,6 @@ def _latest_plan(m: Any) -> Any:
 def demo_module(batch: int = 16, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
     """The demo's transformer block (block 0 of ``TinyGPT`` as ``fxad demo`` builds it:
     width 64, 4 heads, context 64) and an input batch ``[batch, 64, 64]``."""
-    from ..demo.models import TinyGPT
-
     torch.manual_seed(seed)
     model = TinyGPT(96, block_size=64, n_layer=2, n_head=4, n_embd=64)
     return model.blocks[0], torch.randn(batch, 64, 64)
@@ -164,7 +159,5 @@ def demo_module(batch: int = 16, seed: int = 0) -> tuple[torch.nn.Module, torch.
 
 def demo_view(policy: Any = None) -> View:
     """The view of ``fxad.vjp`` of the demo's transformer block (:func:`demo_module`)."""
-    from ..api import vjp
-
     block, x = demo_module()
     return View(build(vjp(block, x), policy=policy, title="TinyGPT block 0 · fxad.vjp"))

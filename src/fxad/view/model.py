@@ -37,8 +37,10 @@ from torch.utils import _pytree as pytree
 
 from .. import codegen
 from ..errors import InputError, SourceLoc
-from ..memory import simulate
-from ..residuals import VIEW_OPS, nbytes, op_kind
+from ..memory import nbytes, simulate
+from ..op_kinds import VIEW_OPS, op_kind
+from ..residuals import joint_graph, partition
+from ..simplify._util import resolve
 
 __all__ = ["Line", "Block", "Source", "Saved", "ViewModel", "build", "fmt_bytes"]
 
@@ -303,8 +305,6 @@ def build(gm: fx.GraphModule, *, policy: Any = None, title: str | None = None) -
         if not reverse:
             raise InputError("a residual policy applies to backward code: pass a graph made "
                              "by fxad.vjp or fxad.grad (this one has no backward)")
-        from ..residuals import joint_graph, partition
-
         vg = _with_cotangent(gm)
         if vg is None:
             raise InputError("this fxad.grad graph has no ones_like seed left to split at "
@@ -323,8 +323,6 @@ def build(gm: fx.GraphModule, *, policy: Any = None, title: str | None = None) -
                        "alive (residual policy 'save'); pass policy='min_memory' to see "
                        "what a policy recomputes")
         try:
-            from ..residuals import partition
-
             vg = _with_cotangent(gm)
             part = partition(vg, "save") if vg is not None else None
         except Exception:  # noqa: BLE001  (outputs the split does not handle: read the graph)
@@ -385,8 +383,6 @@ def build(gm: fx.GraphModule, *, policy: Any = None, title: str | None = None) -
         return orig_meta.get(n.name, n.meta)
 
     # block key of each derivative node: the forward node it differentiates
-    from ..simplify._util import resolve
-
     orig_graph = gm.graph
 
     def block_key(n: fx.Node) -> tuple[str, str] | None:
