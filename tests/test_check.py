@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fxad
 from fxad.demo.models import MLP, SmallCNN, TinyGPT
-from fxad.rules.registry import add_rule
+from fxad.rules.registry import overridden
 
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 ALL = [torch.float64] + LOW
@@ -142,13 +142,12 @@ class _Replaced:
         self.op, self.fwd, self.bwd = op, fwd, bwd
 
     def __enter__(self):
-        self.orig = fxad.lookup(self.op)
+        self.saved = overridden(self.op)  # the op's record, restored on exit
+        self.saved.__enter__()
         fxad.register_vjp(self.op, fwd=self.fwd, bwd=self.bwd, replace=True)
 
     def __exit__(self, *exc):
-        o = self.orig
-        add_rule(o.op, o.fwd, o.bwd, jvp=o.jvp, samples=o.samples, source=o.source,
-                 builtin=o.builtin, replace=True, residuals=o.residuals, recompute=o.recompute)
+        self.saved.__exit__(*exc)
 
 
 def model_fn(x, w):
@@ -263,14 +262,9 @@ def test_cli_failure_names_the_users_line(tmp_path, capsys):
             return torch.exp(h).sum()
     """))
     path.write_text(path.read_text() + "\nfxad.register_vjp(torch.exp, replace=True)(WrongExp)\n")
-    orig = fxad.lookup(torch.exp)
-    try:  # the CLI imports the file, which replaces exp's rule
+    with overridden(torch.exp):  # the CLI imports the file, which replaces exp's rule
         rc = main(["check", f"{path}:f", "--dtype", "float32", "--input", "randn(3)"])
         err = capsys.readouterr().err
-    finally:
-        add_rule(orig.op, orig.fwd, orig.bwd, jvp=orig.jvp, samples=orig.samples,
-                 source=orig.source, builtin=orig.builtin, replace=True,
-                 residuals=orig.residuals, recompute=orig.recompute)
     assert rc == 1
     assert "wrong_model.py:17)" in err  # return torch.exp(h).sum()
     assert "check.py" not in err

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxad
-from fxad.rules import complex as cx
+from fxad.tools import complex_check as cx
 from fxad.rules.registry import op_name
 
 C = torch.complex128

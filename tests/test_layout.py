@@ -1,4 +1,4 @@
-"""The layout of :mod:`fxad.rules` (see its docstring and docs/architecture.md): rule modules
+"""The layout of fxad (docs/architecture.md): the layer order of the whole package (a module
 named for the op family they hold, importing only torch, the standard library, the registry,
 the shared helpers and their own package's ``_common`` module, so that the rules form one
 layer under the engines.  Read from the source with ``ast``; nothing is imported."""
@@ -17,24 +17,18 @@ RULES = pathlib.Path(__file__).resolve().parents[1] / "src" / "fxad" / "rules"
 # the registry, the complex-verification machinery and the autograd fallback (the shared
 # helpers in _base.py and the fused-kernel switch are held to the rule modules' imports)
 SUPPORT = {"fxad.rules", "fxad.rules.registry", "fxad.rules.complex", "fxad.rules.fallback",
-           "fxad.rules.dispatch"}
+           "fxad.rules.dispatch", "fxad.rules.builtin"}
 
-# fxad modules every rule module may import
+# fxad modules every rule module may import: the op record and the layers below the rules
+# (the autograd fallback evaluates ops on fake tensors with the graph layer and registers the
+# names generated code spells them with)
 ALLOWED = {"fxad.rules.registry", "fxad.rules._base", "fxad.rules.fused", "fxad.errors",
-           "fxad.ops", "fxad.naming"}
+           "fxad.ops", "fxad.naming", "fxad.graph.proxy", "fxad.graph.shapes", "fxad.codegen"}
 
 # function-local imports of higher layers that the support modules need, with the reason;
-# a new one has to be added here deliberately
-SUPPORT_EXCEPTIONS = {
-    # the autograd fallback evaluates ops on capture's fake tensors and registers the names
-    # generated code spells them with
-    ("fxad.rules.fallback", "fxad.capture"),
-    ("fxad.rules.fallback", "fxad.graph.proxy"),
-    ("fxad.rules.fallback", "fxad.graph.shapes"),
-    ("fxad.rules.fallback", "fxad.codegen"),
-    # check_rule / main verify rules on complex samples end to end, through the public API
-    ("fxad.rules.complex", "fxad"),
-}
+# a new one has to be added here deliberately (none: the complex-rule verification that
+# needs the public API is fxad.tools.complex_check)
+SUPPORT_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _modules() -> list[tuple[str, pathlib.Path]]:
@@ -146,6 +140,181 @@ def test_checks_catch_bad_imports(tmp_path, monkeypatch):
     assert problems("fxad.rules.registry", "from ..capture.proxy import describe_target\n")
     assert not problems("fxad.rules.nn.losses",
                         "import math\nimport torch\nfrom .._base import builtin\n"
-                        "from ._common import _bound\nfrom ..registry import add_rule\n"
+                        "from ._common import _bound\nfrom ..registry import register_vjp\n"
                         "from ...errors import RuleError\nfrom .. import fused\n"
                         "from ... import ops\n")
+
+
+# --- the layer order of the whole package (docs/architecture.md, "Layers") ------------------
+
+SRC = RULES.parent
+
+# bottom up; a module belongs to the layer of its longest matching prefix (a prefix matches
+# the module itself and its submodules; "fxad" only the package's __init__)
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("fxad.errors", "fxad.naming", "fxad.ops", "fxad._version")),
+    ("op record", ("fxad.rules.registry",)),
+    ("graph", ("fxad.graph",)),
+    ("passes", ("fxad.simplify", "fxad.codegen", "fxad.memory", "fxad.op_kinds",
+                "fxad.guards")),
+    ("capture", ("fxad.capture",)),
+    ("rules", ("fxad.rules",)),
+    ("engines", ("fxad.ad",)),
+    ("pipeline", ("fxad.pipeline", "fxad.dynamic")),
+    ("public", ("fxad", "fxad.api", "fxad.higher", "fxad.check", "fxad.residuals",
+                "fxad.training", "fxad.distributed", "fxad.view", "fxad.plot", "fxad.demo",
+                "fxad.cli", "fxad.__main__", "fxad.eject")),
+    ("tools", ("fxad.tools",)),
+]
+
+
+def _all_modules(src: pathlib.Path) -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted((src).rglob("*.py")):
+        parts = ["fxad", *path.relative_to(src).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    best, found = -1, None
+    for k, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            # the package itself ("fxad") names only its __init__, not everything under it
+            inside = module.startswith(p + ".") and p != "fxad"
+            if (module == p or inside) and len(p) > best:
+                best, found = len(p), k
+    if found is None:
+        raise KeyError(module)
+    return found
+
+
+def _has_layer(module: str) -> bool:
+    try:
+        layer_of(module)
+    except KeyError:
+        return False
+    return True
+
+
+def _fxad_imports(name: str, path: pathlib.Path, mods: dict) -> list[tuple[str, int, bool]]:
+    """``(imported fxad module, line, at module level)`` for every import of an fxad module
+    in the file, function-local ones included (``from x import y`` counts ``x.y`` where that
+    is a module, else ``x``)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name and t.split(".")[0] == "fxad":
+                # a package's __init__ importing its own submodules is not a dependency
+                if path.name == "__init__.py" and t.startswith(name + "."):
+                    continue
+                out.append((t, node.lineno, id(node) in top))
+    return out
+
+
+def layer_problems(src: pathlib.Path) -> list[str]:
+    mods = _all_modules(src)
+    problems, edges = [], {}
+    for name, path in mods.items():
+        try:
+            mine = layer_of(name)
+        except KeyError:
+            problems.append(f"{name}: in no layer; add it to LAYERS (and docs/architecture.md)")
+            continue
+        edges[name] = set()
+        for target, line, top_level in _fxad_imports(name, path, mods):
+            rel = path.relative_to(src.parent)
+            edges[name].add(target)
+            if not top_level:
+                problems.append(f"{rel}:{line}: function-local import of {target}; import it "
+                                "at module level (a local import hides a layering problem)")
+            theirs = layer_of(target) if target in edges or _has_layer(target) else -1
+            if theirs > mine:
+                problems.append(f"{rel}:{line}: {name} ({LAYERS[mine][0]}) imports {target} "
+                                f"({LAYERS[theirs][0]}), a layer above it")
+    # no cycle, within a layer either (Tarjan's strongly connected components)
+    index, low, stack, on, counter = {}, {}, [], set(), [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                problems.append("import cycle: " + " <-> ".join(sorted(comp)))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return problems
+
+
+def test_layers():
+    assert layer_problems(SRC) == []
+
+
+def test_no_module_outside_rules_over_800_lines():
+    long = [f"{p.relative_to(SRC.parent)}: {n} lines" for p in sorted(SRC.rglob("*.py"))
+            if "rules" not in p.relative_to(SRC).parts
+            and (n := len(p.read_text().splitlines())) > 800]
+    assert long == []
+
+
+def test_layer_checks_catch_bad_imports(tmp_path):
+    """The layer check fails on an upward import, a function-local import, a cycle and a
+    module in no layer."""
+    src = tmp_path / "fxad"
+
+    def tree(files: dict[str, str]) -> list[str]:
+        for rel, text in files.items():
+            p = src / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        return layer_problems(src)
+
+    base = {"__init__.py": "", "errors.py": "", "graph/__init__.py": "",
+            "graph/proxy.py": "from ..errors import X\n", "ad/__init__.py": "",
+            "ad/reverse.py": "from ..graph.proxy import Emitter\n"}
+    assert tree(base) == []
+    assert any("a layer above" in p for p in tree({"graph/proxy.py": "from ..ad import reverse\n"}))
+    (src / "graph/proxy.py").write_text("from ..errors import X\n")
+    assert any("function-local" in p
+               for p in tree({"ad/reverse.py": "def f():\n    from ..graph import proxy\n"}))
+    (src / "ad/reverse.py").write_text("from ..graph.proxy import Emitter\n")
+    assert any("cycle" in p for p in tree({"ad/forward.py": "from . import reverse\n",
+                                           "ad/reverse.py": "from . import forward\n"}))
+    assert any("in no layer" in p for p in tree({"stray.py": ""}))

@@ -8,7 +8,8 @@ tensor([2., 2., 2.])
 """
 from __future__ import annotations
 
-from . import rules as _rules  # noqa: F401  (registers the built-in rules)
+from ._version import __version__
+from .rules import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .api import ModeWarning, VJPModule, code_with_shapes, grad, show, trace, vjp
 from .check import CheckReport, check
 from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, jvp
@@ -21,8 +22,8 @@ from .training import FxadModule, compile, joint_step
 from .rules.registry import Rule, all_rules, lookup, register_vjp, unregister
 from . import plot  # noqa: E402  (fxad.plot.memory/coverage; matplotlib loads on use)
 from .view import View, view  # noqa: E402  (the function shadows the module name)
+from .eject import eject  # noqa: E402  (the function shadows the module name)
 
-__version__ = "0.1.0"
 
 __all__ = [
     "fused_kernels", "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
@@ -30,5 +31,5 @@ __all__ = [
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
     "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
     "JVPModule", "BatchedDerivative", "compile", "FxadModule", "joint_step", "partition",
-    "Partition", "Policy", "set_residual_policy", "view", "View", "plot",
+    "Partition", "Policy", "set_residual_policy", "view", "View", "plot", "eject",
 ]

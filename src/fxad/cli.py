@@ -8,6 +8,8 @@ Examples::
     fxad check model.py:Net --input "randn(8, 16)" --input "randint(0, 10, (8,))"
     fxad check model.py:Net --leaf Block --input "randn(8, 16)"     # Block: one op, own rule
     fxad check model.py:mlp --dtype bfloat16 --input "randn(4, 3)" --input "randn(3, 2)"
+    fxad eject model.py:Net --input "randn(8, 16)" -o net_vjp.py     # edit it, then:
+    fxad check model.py:Net --input "randn(8, 16)" --vjp net_vjp.py
 
 ``FILE.py:NAME`` names a function, an ``nn.Module`` subclass (instantiated with no
 arguments) or an ``nn.Module`` instance defined in ``FILE.py``.  Each ``--input`` is a Python
@@ -38,9 +40,11 @@ from typing import Any, Sequence
 
 import torch
 
+from ._version import __version__
 from .api import grad, show, vjp
 from .check import check
 from .demo.train import QUICK, DemoConfig, run_demo
+from .eject import KINDS, eject
 from .errors import CheckError, FxadError
 from .rules.fallback import FallbackWarning
 from .view import view
@@ -209,9 +213,31 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
 
 def cmd_check(args: argparse.Namespace) -> int:
     obj, inputs, leaves = _prepare(args)
+    if args.vjp is not None and not os.path.exists(args.vjp):
+        raise UsageError(f"--vjp {args.vjp}: no such file")
     report = check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed,
-                   leaf_modules=leaves)
+                   leaf_modules=leaves, vjp=args.vjp)
     print(report)
+    return EXIT_OK
+
+
+def cmd_eject(args: argparse.Namespace) -> int:
+    obj, inputs, leaves = _prepare(args)
+    if args.kind == "training":  # as in training: the model's parameters, not the inputs
+        inputs = [x.requires_grad_(False) if isinstance(x, torch.Tensor) else x
+                  for x in inputs]
+    out = args.output or "-"
+    flags = " ".join(f"--input {e!r}" for e in args.input)
+    flags += "".join(f" --leaf {c}" for c in args.leaf) + (" --eval" if args.eval else "")
+    flags += f" --seed {args.seed}" if args.seed else ""
+    cmd = f"fxad check {args.target} {flags} --vjp {out if out != '-' else 'FILE.py'}"
+    text = eject(obj, *inputs, kind=args.kind, leaf_modules=leaves, check_command=cmd)
+    if out == "-":
+        sys.stdout.write(text)
+    else:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"fxad: wrote {out} ({args.kind}; check an edit with: {cmd})", file=sys.stderr)
     return EXIT_OK
 
 
@@ -241,8 +267,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__  # the package's attribute (set once fxad is imported), no module
-
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show full tracebacks instead of one-line errors")
@@ -274,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (
             ("show", cmd_show, "print the generated VJP code with shape comments"),
             ("check", cmd_check, "compare fxad's derivatives with autograd and finite "
-                                 "differences (exit status 1 if they disagree)")):
+                                 "differences (exit status 1 if they disagree)"),
+            ("eject", cmd_eject, "write the derivative as one editable Python file "
+                                 "(fxad.eject)")):
         c = sub.add_parser(name, parents=[debug], help=text, description=text + ".")
         c.add_argument("target", metavar="FILE.py:NAME",
                        help="function, nn.Module class (built with no arguments) or module "
@@ -299,7 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--policy", choices=["save", "min_memory"], default=None,
                            help="with --html: show the training step of this residual policy "
                                 "(default: the code as generated)")
+        elif name == "eject":
+            c.add_argument("--kind", choices=list(KINDS), default="vjp",
+                           help="vjp (default), grad (scalar output) or training (the "
+                                "forward/backward split that fxad.compile(vjp=FILE) trains "
+                                "with)")
+            c.add_argument("--output", "-o", metavar="OUT.py", default=None,
+                           help="file to write (default: standard output)")
         else:
+            c.add_argument("--vjp", metavar="FILE.py", default=None,
+                           help="check this edited derivative (written by `fxad eject`) "
+                                "instead of fxad's own; names the first block that departs")
             c.add_argument("--dtype", choices=sorted(_DTYPES), default="float64",
                            help="dtype of the check (default float64; 'keep' keeps the "
                                 "inputs' dtypes); in a dtype other than float64 the formulas "

@@ -2,8 +2,8 @@
 
 :func:`simulate` walks an FX graph once, as its generated code runs it, and tracks which
 storages are alive: a node that computes a tensor allocates ``numel * itemsize`` bytes
-(``meta['val']``, :func:`nbytes`), a view (:func:`is_view`: ``op_kind`` in
-:data:`fxad.op_kinds.VIEW_OPS`, and ``getitem`` of a multi-output node) shares its base's
+(``meta['val']``, :func:`nbytes`), a view (:func:`is_view`: its op record's kind is
+``"view"``, and ``getitem`` of a multi-output node) shares its base's
 storage, and a storage is freed after the last node that reads it or any of its views (graph
 outputs live to the end).  Placeholders and ``get_attr`` reads (inputs, parameters, buffers)
 are owned by the caller and count 0 bytes.
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .op_kinds import VIEW_OPS, op_kind
+from .rules.registry import kind_of
 
 __all__ = ["MemoryEstimate", "simulate", "nbytes", "is_view"]
 
@@ -57,10 +57,10 @@ def nbytes(node: fx.Node) -> int:
 
 def is_view(node: fx.Node) -> bool:
     """Whether ``node``'s value shares its first input's storage: a view op
-    (:data:`fxad.op_kinds.VIEW_OPS`) or ``getitem`` of a multi-output node."""
+    (kind ``"view"`` in the op record, :func:`fxad.rules.registry.kind_of`) or ``getitem`` of a multi-output node."""
     if node.op == "call_function" and node.target is operator.getitem:
         return True
-    return node.op in ("call_function", "call_method") and op_kind(node) in VIEW_OPS
+    return node.op in ("call_function", "call_method") and kind_of(node) == "view"
 
 
 def simulate(graph: fx.Graph,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe_target", "op_qualname"]
+__all__ = ["describe_target", "op_qualname", "op_kind"]
 
 
 def op_qualname(target: Any) -> str | None:
@@ -52,3 +52,19 @@ def describe_target(kind: str, target: Any) -> str:
         # methods of torch._C.TensorBase show up as `TensorBase.add`
         return f"torch.{name.replace('TensorBase', 'Tensor')}"
     return f"{mod}.{name}" if mod else name
+
+
+def op_kind(node: Any) -> str:
+    """The op of a graph node as residual policies and reports name it (``Policy.by_op``
+    keys): ``torch.relu`` → ``"relu"``, ``operator.mul`` → ``"mul"``, ``x.view(...)`` →
+    ``"view"``, ``torch.ops.aten.foo.default`` → ``"foo"``; the node's ``op`` for other
+    nodes.  What fxad knows about the op is in its record (:func:`fxad.rules.registry.kind_of`)."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op == "call_function":
+        if isinstance(t, torch._ops.OpOverload):
+            return str(t).split(".")[-2]
+        name = getattr(t, "__name__", None) or str(t)
+        return name.rsplit(".", 1)[-1]
+    return node.op

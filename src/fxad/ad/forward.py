@@ -208,6 +208,11 @@ class ForwardTransform:
             self._set_tangent(node, t)
             return
         rule = rule_for(gm, node, self.em)
+        if rule is not None and rule.jvp is None and rule.fused:
+            # a rule without jvp is transposed with fused kernels off (they have no rules to
+            # transpose with): the overload that applies then
+            with fused_kernels(False):
+                rule = rule_for(gm, node, self.em)
         if rule is None:
             raise missing_rule(desc, node.meta.get("fxad_loc"), module=node.op == "call_module")
         args = self._load(node.args)

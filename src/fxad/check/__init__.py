@@ -99,7 +99,8 @@ Layout: :mod:`~fxad.check.report` (:class:`CheckReport`, the tolerances),
 :mod:`~fxad.check.numerics` (dtype precision), :mod:`~fxad.check.noise` (Monte Carlo
 arithmetic), :mod:`~fxad.check.oracle` (the function run eagerly, by autograd and by fxad),
 :mod:`~fxad.check.finite_diff`, :mod:`~fxad.check.compare` (the comparisons),
-:mod:`~fxad.check.localize` (the op to blame); this module: :func:`check`.
+:mod:`~fxad.check.localize` (the op to blame), :mod:`~fxad.check.edited` (``vjp=``: a
+derivative edited by hand, :mod:`fxad.eject`); this module: :func:`check`.
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ from ..api import vjp
 from ..capture.control import eager_semantics
 from ..errors import InputError
 from ..simplify._util import draws_random
+from .edited import check_edited
 from .compare import _Failure, _formula_side, _rounding_side, _Setup  # noqa: F401
 from .finite_diff import _FD
 from .localize import _localize, _raise
@@ -126,7 +128,7 @@ __all__ = ["check", "CheckReport", "ROUNDING_FACTOR", "MCA_SAMPLES", "FD_MCA_SAM
 def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None = torch.float64,
           atol: float = 1e-6, rtol: float = 1e-5, fd_eps: float | None = None,
           fd_rtol: float | None = None, seed: int = 0,
-          leaf_modules: Iterable[type] = ()) -> CheckReport:
+          leaf_modules: Iterable[type] = (), vjp: Any = None) -> CheckReport:
     """Check fxad's VJP of ``f`` at ``inputs`` against autograd and finite differences.
 
     See the module docstring (:mod:`fxad.check`) for what is compared in each dtype, the
@@ -145,6 +147,12 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
         seed: seed of the random cotangent and direction.
         leaf_modules: module classes kept as single ops (they need a rule, see
             :func:`fxad.register_vjp`), as in :func:`fxad.vjp`.
+        vjp: check this derivative instead of fxad's own: the path (or text) of a file
+            written by :func:`fxad.eject` and edited by hand, or a callable with the
+            signature of an ejected ``vjp`` (``vjp(model, *inputs, cotangent)``).  The check
+            runs in float64 (``dtype`` must be float64); on a disagreement the error names
+            the cotangent and the first ``# backward of:`` block whose values depart from
+            fxad's own derivative at the same point (:mod:`fxad.check.edited`).
 
     Returns:
         :class:`CheckReport`.
@@ -158,6 +166,12 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
     """
     # the reference runs execute torch.cond / while_loop / scan / map as the Python programs
     # they are defined as (fxad's capture still sees them as control flow)
+    if vjp is not None:
+        if dtype not in (torch.float64, None):
+            raise InputError(f"fxad.check(vjp=...) checks in float64, not {dtype}")
+        with eager_semantics(f):
+            return check_edited(f, inputs, vjp, atol, rtol, fd_eps, fd_rtol, seed,
+                                tuple(leaf_modules))
     with eager_semantics(f):
         return _check(f, inputs, dtype, atol, rtol, fd_eps, fd_rtol, seed, leaf_modules)
 

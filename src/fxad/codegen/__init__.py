@@ -21,6 +21,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..simplify._util import is_random, resolve
+
 _COUNTER = re.compile(r"# COUNTER: (\d+)")
 _PRIVATE_NN = re.compile(r"\btorch\._C\._nn\.(\w+)\b")
 _PRIVATE_VAR = re.compile(r"\btorch\._C\._VariableFunctions\.(\w+)\b")
@@ -148,11 +150,8 @@ def _is_draw(node: fx.Node | None) -> bool:
     ``torch.rand``, an in-place random method)."""
     if node is None:
         return False
-    from ..simplify._util import is_random
-
-    return is_random(node) or (node.op == "call_method" and node.target in (
-        "new_empty", "bernoulli_", "uniform_", "normal_", "exponential_", "geometric_",
-        "cauchy_", "log_normal_", "random_"))
+    # the in-place random methods are random ops in their records; x.new_empty allocates
+    return is_random(node) or (node.op == "call_method" and node.target == "new_empty")
 
 
 def _block(node: fx.Node) -> tuple[str, str] | None:
@@ -201,7 +200,6 @@ def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
             continue
         of = node.meta.get("fxad_cot_of")
         if of:
-            from ..simplify._util import resolve
             of = resolve(graph, of)
         if of and not node.name.startswith("d_"):
             node._rename(f"d_{of}")

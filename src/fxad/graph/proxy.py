@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, SourceLoc
+from .shapes import OUTPUT_META
 from ..naming import describe_target  # noqa: F401  (re-exported: capture's own name for it)
 
 _FAKE_MODE: FakeTensorMode | None = None
@@ -275,7 +276,6 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
     fkwargs = fx.node.map_aggregate(kwargs, _val_of)
     mode = fake_mode()
     if kind == "call_function":
-        from .shapes import OUTPUT_META
         try:
             with mode:
                 if target in OUTPUT_META:  # the op's fake execution would need data

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .. import ops
+
 
 def _float_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if (x.is_floating_point() or x.is_complex()) else torch.get_default_dtype()
@@ -127,7 +129,6 @@ def _while_loop_jvp(cond_fn: Any, body_jvp: Any, carried: tuple, tangents: tuple
 
 
 def _control_flow() -> dict[Any, Callable[..., Any]]:
-    from .. import ops
     return {ops.cond: _cond, ops.while_loop: _while_loop, ops.while_loop_vjp: _while_loop_vjp,
             ops.while_loop_jvp: _while_loop_jvp}
 

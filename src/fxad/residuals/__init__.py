@@ -37,7 +37,7 @@ themselves available.  ``policy`` chooses:
     ``fxad.grad`` code keeps alive).
 ``"min_memory"`` (the default)
     minimize the saved bytes (``meta['val']``: ``numel * itemsize``) subject to recomputing
-    only *cheap* ops: elementwise ops and views (:data:`CHEAP_OPS`).  Solved exactly as a
+    only *cheap* ops: elementwise ops and views (the op record's ``recompute``).  Solved exactly as a
     minimum s-t cut (the same formulation as AOTAutograd's rematerialization partitioner);
     among minimum cuts the one that recomputes least is taken.
 :class:`Policy`
@@ -65,12 +65,12 @@ Staged backward
 :func:`split_backward` cuts ``bwd_gm`` into stages that return parameter gradients as they
 are completed, for :func:`fxad.compile`'s bridge under DDP and FSDP (``grad_release=``).
 
-Which ops count as cheap comes from the rules: a rule declares ``recompute=True`` (every
-elementwise unary rule does) or ``recompute=False``; ops without a declaration are cheap when
-their name is in :data:`CHEAP_OPS`.  Op-kind defaults can also be set globally with
+Which ops count as cheap is a fact of each op's record (:mod:`fxad.rules.registry`): its
+rule's declaration ``recompute=True`` (every elementwise unary rule has it) or
+``recompute=False``, else whether the op's kind is ``"elementwise"`` or ``"view"``.  Op-kind defaults can also be set globally with
 :func:`set_residual_policy` (``set_residual_policy(torch.nn.functional.gelu, "save")``).
 
-Layout: :mod:`~fxad.residuals.policy` (policies; the op kinds are :mod:`fxad.op_kinds`),
+Layout: :mod:`~fxad.residuals.policy` (policies),
 :mod:`~fxad.residuals.regions` (activation checkpointing regions),
 :mod:`~fxad.residuals.mincut` (the policy's choice as a minimum cut),
 :mod:`~fxad.residuals.partition` (the split, step by step), :mod:`~fxad.residuals.report`
@@ -80,7 +80,7 @@ Layout: :mod:`~fxad.residuals.policy` (policies; the op kinds are :mod:`fxad.op_
 from __future__ import annotations
 
 from ..memory import nbytes
-from ..op_kinds import CHEAP_OPS, ELEMENTWISE_OPS, VIEW_OPS, op_kind
+from ..naming import op_kind
 from .joint import joint_graph
 from .partition import partition
 from .policy import Policy, as_policy, set_residual_policy
@@ -90,4 +90,4 @@ from .staged import StagedBackward, split_backward
 
 __all__ = ["Policy", "Checkpoint", "Partition", "partition", "joint_graph", "op_kind",
            "set_residual_policy", "checkpoint_regions", "split_backward", "StagedBackward",
-           "CHEAP_OPS", "ELEMENTWISE_OPS", "VIEW_OPS", "nbytes", "residual_kind"]
+           "nbytes", "residual_kind"]

@@ -2,9 +2,9 @@
 
 :class:`Policy` answers, per forward node, ``"save"``, ``"recompute"`` or ``"cheap"``
 (recomputable where that saves bytes); :func:`set_residual_policy` sets op-kind defaults
-for every policy.  Which ops are cheap: the ``recompute`` declaration of the op's rule
-(``_declared_recompute``), else whether the op's name is in :data:`CHEAP_OPS`
-(:mod:`fxad.op_kinds`).
+for every policy.  Which ops are cheap is a fact of the op's record
+(:attr:`fxad.rules.registry.OpRecord.recompute`: the ``recompute`` declaration of its rule,
+else whether it is elementwise or a view).
 """
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ import torch.fx as fx
 
 from ..errors import InputError
 from ..memory import nbytes
-from ..op_kinds import CHEAP_OPS, ELEMENTWISE_OPS, VIEW_OPS, op_kind
-from ..rules.dispatch import rule_key
-from ..rules.registry import lookup
+from ..naming import op_kind
+from ..rules.registry import record_of
 
-__all__ = ["Policy", "set_residual_policy", "as_policy", "saved_cost",
-           "op_kind", "CHEAP_OPS", "ELEMENTWISE_OPS", "VIEW_OPS"]
+__all__ = ["Policy", "set_residual_policy", "as_policy", "saved_cost", "op_kind"]
 
 _GLOBAL_POLICY: dict[str, str] = {}
 
@@ -78,18 +76,10 @@ class Policy:
             return _GLOBAL_POLICY[kind]
         if not self.recompute_cheap:
             return "save"
-        declared = _declared_recompute(node)
-        if declared is not None:
-            return "cheap" if declared else "save"
-        return "cheap" if kind in CHEAP_OPS else "save"
-
-
-def _declared_recompute(node: fx.Node) -> bool | None:
-    """The ``recompute`` declaration of the rule registered for ``node``'s op, if any."""
-    if node.op not in ("call_function", "call_method"):
-        return None
-    rule = lookup(rule_key(node.graph.owning_module, node))
-    return None if rule is None else rule.recompute
+        if node.op not in ("call_function", "call_method"):
+            return "save"  # a leaf module's call: saved whatever its rule declares
+        rec = record_of(node)
+        return "cheap" if rec is not None and rec.recompute else "save"
 
 
 def as_policy(policy: str | Policy | None) -> Policy:

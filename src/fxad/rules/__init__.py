@@ -1,9 +1,14 @@
-"""Derivative rules.  Importing this package registers all built-in rules.
+"""Derivative rules.  :mod:`fxad.rules.builtin` registers all built-in rules (the engines' door,
+:mod:`fxad.rules.dispatch`, imports it); this package itself only names the op record's API,
+so that importing :mod:`fxad.rules.registry` (the op record, a layer below capture) runs no
+rule module.
 
-The rule contract is stated once, in :mod:`fxad.rules.registry`; the helpers rules are
-written with (``builtin``, ``unary``, sample makers, shared combinators) are in
-:mod:`fxad.rules._base`.  Rules are grouped by op family, the way PyTorch's namespaces and
-``derivatives.yaml`` group the ops; where to find a rule:
+The op record (one per op: its kind, complex status and rules, overloads included) and the
+rule contract are stated once, in :mod:`fxad.rules.registry`, with the one way to declare a
+rule (a class registered with ``register_vjp``); the helpers rules are written with (the table
+form ``unary``, sample makers, shared combinators) are in :mod:`fxad.rules._base`.  Rules are
+grouped by op family, the way PyTorch's namespaces and ``derivatives.yaml`` group the ops;
+where to find a rule:
 
 * :mod:`fxad.rules.arithmetic` — ``+ - * / ** %``, ``div`` modes, ``rsub``, ``fmod``,
   ``remainder``, ``lerp``, ``addcmul``/``addcdiv``, ``clamp``, ``maximum``/``minimum``,
@@ -31,17 +36,15 @@ written with (``builtin``, ``unary``, sample makers, shared combinators) are in
   ``gru``, ``rnn_tanh``/``rnn_relu`` and the ``*_cell`` ops), ...
 
 Support modules: :mod:`fxad.rules.fused` (the fused-kernel level switch),
-:mod:`fxad.rules.complex` (which rules are verified for complex tensors) and
-:mod:`fxad.rules.fallback` (the autograd fallback, registered last for ops without a
-hand-written rule).  ``docs/supported_ops.md`` lists the file of every rule.
+:mod:`fxad.rules.complex` (which rules are verified for complex tensors, installed into the
+op records last), :mod:`fxad.rules.fallback` (the autograd fallback, registered last for ops
+without a hand-written rule) and :mod:`fxad.rules.dispatch` (which rule differentiates a
+graph node).  ``docs/supported_ops.md`` lists the file of every rule.
 
 Rule modules import only torch, the registry, :mod:`fxad.rules._base`, :mod:`fxad.rules.fused`
 and their own package's ``_common`` helpers, never each other
 (``tests/test_layout.py`` checks it).
 """
-from . import arithmetic, math, reductions, scans, sorting, views, indexing  # noqa: F401
-from . import linalg, fft, complex_ops, random, nn  # noqa: F401,E402  (registers the rules)
-from . import fallback  # noqa: F401,E402  (last: only ops without a hand-written rule)
 from .registry import Rule, all_rules, lookup, register_vjp, unregister
 
 __all__ = ["Rule", "all_rules", "lookup", "register_vjp", "unregister"]

@@ -1,14 +1,13 @@
-"""Helpers shared by the built-in rule modules: the ``builtin`` decorator, combinators,
+"""Helpers shared by the built-in rule modules: the table form :func:`unary`, combinators,
 sample-input makers, and the small helpers that several rule families use (defined here once;
 a helper used by one family lives in that family's module or package).
 
 A built-in rule is a class holding ``fwd``, ``bwd`` and optionally ``jvp`` and ``samples``
-as plain functions (see :mod:`fxad.rules.registry` for the contract).  Its docstring names
-the formula's source.
+as plain functions, registered with :func:`fxad.rules.registry.register_vjp` (see there for
+the contract, the op record and overloads).  Its docstring names the formula's source.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Callable, Iterable
 
@@ -17,30 +16,14 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import RuleError
-from .registry import add_rule
-
-
-def builtin(*ops: Any) -> Callable[[type], type]:
-    """Register the decorated rule class for each op in ``ops`` (built-in rules)."""
-
-    def deco(cls: type) -> type:
-        d = cls.__dict__
-        for op in ops:
-            add_rule(op, _fn(d["fwd"]), _fn(d["bwd"]), jvp=_fn(d.get("jvp")),
-                     samples=_fn(d.get("samples")), source=inspect.getdoc(cls) or "",
-                     builtin=True, residuals=d.get("residuals"), recompute=d.get("recompute"))
-        return cls
-
-    return deco
-
-
-def _fn(f: Any) -> Any:
-    return f.__func__ if isinstance(f, (staticmethod, classmethod)) else f
+from .registry import register_vjp
 
 
 def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], source: str,
           domain: tuple[float, float] = (-2.0, 2.0), residuals: str | None = None) -> None:
-    """Register an elementwise unary rule ``y = op(x)`` with ``dx = dy * derivative(x_or_y)``.
+    """Register an elementwise unary rule ``y = op(x)`` with ``dx = dy * derivative(x_or_y)``:
+    the one table form of rule declaration (a rule class built here and registered with
+    :func:`~fxad.rules.registry.register_vjp`; kind ``"elementwise"``, recomputable).
 
     Args:
         op: the torch function.
@@ -54,26 +37,33 @@ def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], sou
             derivative written in the input calls the op again (the simplifier then reads
             the forward's value).
     """
+    saved_kind = "inputs" if save == "input" else "output"
 
-    def fwd(input: Any) -> tuple[Any, Any]:
-        out = op(input)
-        return out, (input if save == "input" else out)
+    class Unary:
+        kind = "elementwise"
+        recompute = True
+        residuals = None
 
-    def bwd(aux: Any, d_out: Any) -> tuple[Any]:
-        return (conj(derivative(aux)) * d_out,)
+        def fwd(input: Any) -> tuple[Any, Any]:
+            out = op(input)
+            return out, (input if save == "input" else out)
 
-    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
-        (x,), (t,) = primals, tangents
-        out = op(x)
-        return out, derivative(x if save == "input" else out) * t
+        def bwd(aux: Any, d_out: Any) -> tuple[Any]:
+            return (conj(derivative(aux)) * d_out,)
 
-    def samples(dtype: torch.dtype) -> Iterable[tuple[tuple, dict]]:
-        lo, hi = domain
-        yield (uniform((3, 4), lo, hi, dtype),), {}
-        yield (uniform((), lo, hi, dtype),), {}
+        def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+            (x,), (t,) = primals, tangents
+            out = op(x)
+            return out, derivative(x if save == "input" else out) * t
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True,
-             residuals=residuals or ("inputs" if save == "input" else "output"), recompute=True)
+        def samples(dtype: torch.dtype) -> Iterable[tuple[tuple, dict]]:
+            lo, hi = domain
+            yield (uniform((3, 4), lo, hi, dtype),), {}
+            yield (uniform((), lo, hi, dtype),), {}
+
+    Unary.residuals = residuals or saved_kind
+    Unary.source = source
+    register_vjp(op)(Unary)
 
 
 def value_of(x: Any) -> Any:

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ._base import (builtin, conj, randn, uniform, _add, _binary_samples, _is_t, _LN2, _select,
+from ._base import (conj, randn, uniform, _add, _binary_samples, _is_t, _LN2, _select,
                     _t, _tie_select, _value_d)
-from .registry import add_rule
+from .registry import register_vjp
 
 
 # --- arithmetic -----------------------------------------------------------------------------
 
-@builtin(operator.add)
+@register_vjp(operator.add)
 class Add:
     """``a + b``: d_a = d, d_b = d (derivatives.yaml ``add.Tensor``)."""
 
@@ -45,7 +45,7 @@ class Add:
         yield (1.5, _t((2, 3), dtype)), {}
 
 
-@builtin(operator.sub)
+@register_vjp(operator.sub)
 class Sub:
     """``a - b``: d_a = d, d_b = -d (derivatives.yaml ``sub.Tensor``)."""
 
@@ -66,7 +66,7 @@ class Sub:
         yield (2.0, _t((3,), dtype)), {}
 
 
-@builtin(operator.neg)
+@register_vjp(operator.neg)
 class Neg:
     """``-a``: d_a = -d (derivatives.yaml ``neg``)."""
 
@@ -83,7 +83,7 @@ class Neg:
         yield (_t((3, 4), dtype),), {}
 
 
-@builtin(operator.mul)
+@register_vjp(operator.mul)
 class Mul:
     """``a * b``: d_a = d * b, d_b = a * d (derivatives.yaml ``mul.Tensor``; complex:
     d_a = d * conj(b), d_b = conj(a) * d)."""
@@ -107,7 +107,7 @@ class Mul:
         yield (-0.5, _t((2,), dtype)), {}
 
 
-@builtin(operator.truediv)
+@register_vjp(operator.truediv)
 class Div:
     """``a / b``: d_a = d / b, d_b = -d * (a / b) / b (derivatives.yaml ``div.Tensor``;
     complex: d_a = d / conj(b), d_b = -d_a * conj(a / b))."""
@@ -142,7 +142,8 @@ def _pow_self_factor(a: Any, b: Any) -> Any:
     return torch.where(b == 0, 0.0, b * a ** (b - 1))
 
 
-@builtin(operator.pow, torch.pow)
+@register_vjp(operator.pow)
+@register_vjp(torch.pow)
 class Pow:
     """``a ** b``.  d_a = d * b * a ** (b - 1); d_b = d * out * log(a)
     (derivatives.yaml ``pow.Tensor_Scalar``, ``pow.Tensor_Tensor``, ``pow.Scalar``)."""
@@ -184,7 +185,7 @@ class Pow:
         yield (2.0, _t((3,), dtype)), {}
 
 
-@builtin(operator.mod)
+@register_vjp(operator.mod)
 class Mod:
     """``a % b`` = a - floor(a / b) * b (Python's remainder, ``torch.remainder``): d_a = d,
     d_b = -d * floor(a / b) (derivatives.yaml `remainder.Tensor`)."""
@@ -201,7 +202,8 @@ class Mod:
         yield (_t((3,), dtype, -3.0, 3.0), 0.9), {}
 
 
-@builtin(torch.clamp, torch.clip)
+@register_vjp(torch.clamp)
+@register_vjp(torch.clip)
 class Clamp:
     """clamp(x, min, max): d_x = d where min <= x <= max, else 0; tensor bounds receive the
     cotangent where they are active (derivatives.yaml `clamp`, `clamp.Tensor`)."""
@@ -249,7 +251,7 @@ class Clamp:
         yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype) - 1, randn(3, 1, dtype=dtype) + 1), {}
 
 
-@builtin(torch.clamp_min)
+@register_vjp(torch.clamp_min)
 class ClampMin:
     """clamp_min(x, m) = max(x, m) (derivatives.yaml `clamp_min`)."""
 
@@ -268,7 +270,7 @@ class ClampMin:
         yield (randn(3, 4, dtype=dtype), 0.1), {}
 
 
-@builtin(torch.clamp_max)
+@register_vjp(torch.clamp_max)
 class ClampMax:
     """clamp_max(x, m) = min(x, m) (derivatives.yaml `clamp_max`)."""
 
@@ -287,38 +289,39 @@ class ClampMax:
         yield (randn(3, 4, dtype=dtype), 0.1), {}
 
 
-def _maximum_minimum(op: Any) -> None:
-    """maximum/minimum(a, b): the cotangent goes to the selected operand, split evenly on ties
-    (derivatives.yaml `maximum`: at::where(self == other, grad / 2, grad).masked_fill_(...))."""
+def _maximum_minimum(op: Any) -> type:
+    class MaximumMinimum:
+        """maximum/minimum(a, b): the cotangent goes to the selected operand, split evenly on
+        ties (derivatives.yaml `maximum`: at::where(self == other, grad / 2,
+        grad).masked_fill_(...))."""
 
-    def fwd(input, other):
-        out = op(input, other)
-        return out, (input, other, out)
+        def fwd(input, other):
+            out = op(input, other)
+            return out, (input, other, out)
 
-    def bwd(aux, d):
-        a, b, out = aux
-        tie = a == b
-        half = d * 0.5
-        return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
-                torch.where(tie, half, torch.where(b == out, d, 0.0)))
+        def bwd(aux, d):
+            a, b, out = aux
+            tie = a == b
+            half = d * 0.5
+            return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
+                    torch.where(tie, half, torch.where(b == out, d, 0.0)))
 
-    def jvp(primals, tangents):
-        (a, b), (ta, tb) = primals, tangents
-        out = op(a, b)
-        return out, _tie_select(a, b, out, ta, tb)
+        def jvp(primals, tangents):
+            (a, b), (ta, tb) = primals, tangents
+            out = op(a, b)
+            return out, _tie_select(a, b, out, ta, tb)
 
-    def samples(dtype):
-        yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype)), {}
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype)), {}
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=_maximum_minimum.__doc__ or "",
-             builtin=True)
-
-
-_maximum_minimum(torch.maximum)
-_maximum_minimum(torch.minimum)
+    return MaximumMinimum
 
 
-@builtin(torch.where)
+register_vjp(torch.maximum)(_maximum_minimum(torch.maximum))
+register_vjp(torch.minimum)(_maximum_minimum(torch.minimum))
+
+
+@register_vjp(torch.where)
 class Where:
     """where(cond, a, b): d_a = where(cond, d, 0), d_b = where(cond, 0, d)
     (derivatives.yaml `where.self`)."""
@@ -339,7 +342,7 @@ class Where:
         yield (x > 0, x, 0.0), {}
 
 
-@builtin(torch.Tensor.where)
+@register_vjp(torch.Tensor.where)
 class TensorWhere:
     """x.where(cond, y) = where(cond, x, y): d_x = where(cond, d, 0), d_y = where(cond, 0, d)
     (derivatives.yaml `where.self`; the method takes the condition second)."""
@@ -360,15 +363,14 @@ class TensorWhere:
         yield (x, x > 0, 0.0), {}
 
 
-class _FMaxMin:
+def _fmax_fmin(op: Any, cmp: Any) -> type:
     """fmax/fmin: the cotangent goes to the selected operand; on ties it is split in half;
     NaN operands are ignored (derivatives.yaml ``fmax``/``fmin``)."""
 
-    op: Any = None
-    cmp: Any = None
+    class FMaxMin:
+        source = (f"{op.__name__}: cotangent to the selected operand, halved on ties, NaN "
+                  f"operands ignored (derivatives.yaml `{op.__name__}`)")
 
-    @classmethod
-    def make(cls, op, cmp):
         def fwd(input, other):
             return op(input, other), (input, other)
 
@@ -384,16 +386,14 @@ class _FMaxMin:
         def samples(dtype):
             yield from _binary_samples(dtype)
 
-        add_rule(op, fwd, bwd, samples=samples, builtin=True,
-                 source=f"{op.__name__}: cotangent to the selected operand, halved on ties, NaN "
-                        f"operands ignored (derivatives.yaml `{op.__name__}`)")
+    return FMaxMin
 
 
-_FMaxMin.make(torch.fmax, torch.gt)
-_FMaxMin.make(torch.fmin, torch.lt)
+register_vjp(torch.fmax)(_fmax_fmin(torch.fmax, torch.gt))
+register_vjp(torch.fmin)(_fmax_fmin(torch.fmin, torch.lt))
 
 
-@builtin(torch.lerp)
+@register_vjp(torch.lerp)
 class Lerp:
     """lerp(a, b, w) = a + w (b - a): d_a = d (1 - w), d_b = d w, d_w = d (b - a)
     (derivatives.yaml ``lerp.Tensor`` / ``lerp.Scalar``)."""
@@ -416,7 +416,7 @@ class Lerp:
         yield (_t((3, 4), dtype), _t((3, 4), dtype), 0.3), {}
 
 
-@builtin(torch.addcmul)
+@register_vjp(torch.addcmul)
 class Addcmul:
     """addcmul(x, a, b, value=v) = x + v a b: d_x = d, d_a = v d b, d_b = v d a
     (derivatives.yaml ``addcmul``)."""
@@ -442,7 +442,7 @@ class Addcmul:
         yield (_t((3, 4), dtype), _t((3, 1), dtype), _t((3, 4), dtype)), {}
 
 
-@builtin(torch.addcdiv)
+@register_vjp(torch.addcdiv)
 class Addcdiv:
     """addcdiv(x, a, b, value=v) = x + v a / b: d_x = d, d_a = v d / b, d_b = -v d a / b^2
     (derivatives.yaml ``addcdiv``)."""
@@ -460,7 +460,7 @@ class Addcdiv:
         yield (_t((3, 4), dtype), _t((3, 4), dtype), _t((4,), dtype, 0.5, 2.0)), {"value": 0.5}
 
 
-@builtin(torch.fmod)
+@register_vjp(torch.fmod)
 class Fmod:
     """fmod(a, b) = a - trunc(a / b) b: d_a = d, d_b = -d trunc(a / b)
     (derivatives.yaml ``fmod.Tensor``)."""
@@ -476,7 +476,7 @@ class Fmod:
         yield (_t((3, 4), dtype), 1.5), {}
 
 
-@builtin(torch.remainder)
+@register_vjp(torch.remainder)
 class Remainder:
     """remainder(a, b) = a - floor(a / b) b: d_a = d, d_b = -d floor(a / b)
     (derivatives.yaml ``remainder.Tensor``)."""
@@ -492,7 +492,7 @@ class Remainder:
         yield (_t((3, 4), dtype), 1.5), {}
 
 
-@builtin(torch.float_power)
+@register_vjp(torch.float_power)
 class FloatPower:
     """float_power(a, b) = a^b in float64: d_a = d b a^(b-1), d_b = d out log a
     (derivatives.yaml ``float_power``; the engine casts back to the input dtype)."""
@@ -514,7 +514,7 @@ class FloatPower:
         yield (_t((3, 4), dtype, 0.5, 2.0), _t((4,), dtype)), {}
 
 
-@builtin(torch.ldexp)
+@register_vjp(torch.ldexp)
 class Ldexp:
     """ldexp(a, e) = a 2^e: d_a = d 2^e, d_e = d out ln 2 (derivatives.yaml via ``mul``)."""
 
@@ -531,7 +531,7 @@ class Ldexp:
         yield (_t((3, 4), dtype), _t((4,), dtype)), {}
 
 
-@builtin(torch.copysign)
+@register_vjp(torch.copysign)
 class Copysign:
     """copysign(a, b) = |a| sign(b): d_a = d * copysign(1, a) * copysign(1, b) (0 where a == 0),
     d_b = 0 (derivatives.yaml ``copysign.Tensor``)."""
@@ -550,7 +550,7 @@ class Copysign:
 
 # --- elementwise odds and ends ----------------------------------------------------------------
 
-@builtin(torch.rsub)
+@register_vjp(torch.rsub)
 class Rsub:
     """rsub(x, y, alpha) = y - alpha x: d_x = -alpha d, d_y = d (derivatives.yaml `rsub`)."""
 
@@ -567,7 +567,7 @@ class Rsub:
         yield (randn(3, 4, dtype=dtype), 2.0, 0.5), {}
 
 
-@builtin(torch.nan_to_num)
+@register_vjp(torch.nan_to_num)
 class NanToNum:
     """nan_to_num(x): d_x = d where x is finite, else 0 (derivatives.yaml `nan_to_num`)."""
 
@@ -637,12 +637,10 @@ def _div_rule(method: bool) -> type:
 
 
 for _m, _op in ((False, torch.div), (True, torch.Tensor.div)):
-    _cls = _div_rule(_m)
-    add_rule(_op, _cls.fwd, _cls.bwd, jvp=_cls.jvp, samples=_cls.samples,
-             source=_cls.__doc__, builtin=True)
+    register_vjp(_op)(_div_rule(_m))
 
 
-@builtin(torch.nextafter)
+@register_vjp(torch.nextafter)
 class Nextafter:
     """nextafter(x, y) moves x by one ulp toward y: PyTorch treats it as the identity in x and
     constant in y (derivatives.yaml `nextafter`: self grad, other zeros), so d_x = d."""
@@ -662,7 +660,7 @@ class Nextafter:
         yield (randn(dtype=dtype), randn(2, dtype=dtype)), {}
 
 
-@builtin(torch.frexp)
+@register_vjp(torch.frexp)
 class Frexp:
     """frexp(x) -> (mantissa, exponent) with x = mantissa * 2**exponent: the exponent is
     piecewise constant, so d_x = d_mantissa / 2**exponent (derivatives.yaml `frexp.Tensor`:

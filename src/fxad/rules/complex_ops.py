@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from ._base import builtin, randn
-from .registry import add_rule
+from ._base import randn
+from .registry import register_vjp
 
 
-@builtin(torch.angle)
+@register_vjp(torch.angle)
 class Angle:
     """angle(x) for real x is 0 or pi: zero derivative (derivatives.yaml `angle`:
     angle_backward)."""
@@ -46,25 +46,29 @@ class Angle:
 
 # --- conjugation ----------------------------------------------------------------------------
 
-def _conj_like(op: Any, back: Any, name: str, formula: str) -> None:
-    def fwd(input):
-        return op(input), None
+def _conj_like(op: Any, back: Any, name: str, formula: str) -> type:
+    class ConjLike:
+        source = f"{name}: d_x = {formula} (derivatives.yaml `{name}`)"
 
-    def bwd(aux, d):
-        return (back(d),)
+        def fwd(input):
+            return op(input), None
 
-    def samples(dtype):
-        yield (randn(3, 4, dtype=dtype),), {}
+        def bwd(aux, d):
+            return (back(d),)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}: d_x = {formula} (derivatives.yaml `{name}`)")
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype),), {}
+
+    return ConjLike
 
 
-_conj_like(torch.conj, torch.conj, "conj", "conj(d)")
-_conj_like(torch.conj_physical, torch.conj_physical, "conj_physical", "conj_physical(d)")
-_conj_like(torch.resolve_conj, lambda d: d, "resolve_conj", "d")
-_conj_like(torch.resolve_neg, lambda d: d, "resolve_neg", "d")
-_conj_like(torch.real, lambda d: d, "real", "d (real part; the engine casts to x's dtype)")
+register_vjp(torch.conj)(_conj_like(torch.conj, torch.conj, "conj", "conj(d)"))
+register_vjp(torch.conj_physical)(_conj_like(torch.conj_physical, torch.conj_physical,
+                                             "conj_physical", "conj_physical(d)"))
+register_vjp(torch.resolve_conj)(_conj_like(torch.resolve_conj, lambda d: d, "resolve_conj", "d"))
+register_vjp(torch.resolve_neg)(_conj_like(torch.resolve_neg, lambda d: d, "resolve_neg", "d"))
+register_vjp(torch.real)(_conj_like(torch.real, lambda d: d, "real",
+                                    "d (real part; the engine casts to x's dtype)"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ def _pairs(dtype: torch.dtype):
     yield (randn(2, 3, 4, dtype=dtype), randn(dtype=dtype)), {}
 
 
-@builtin(torch.complex)
+@register_vjp(torch.complex)
 class Complex:
     """complex(re, im) = re + i im: d_re = Re(d), d_im = Im(d) (derivatives.yaml `complex`)."""
 
@@ -104,7 +108,7 @@ class Complex:
         yield from _pairs(dtype)
 
 
-@builtin(torch.view_as_complex)
+@register_vjp(torch.view_as_complex)
 class ViewAsComplex:
     """view_as_complex(x) (x[..., 0] + i x[..., 1]): d_x = stack([Re(d), Im(d)], -1)
     (derivatives.yaml `view_as_complex`: view_as_real of the cotangent, spelled with
@@ -129,7 +133,7 @@ class ViewAsComplex:
         yield (randn(2, dtype=dtype),), {}
 
 
-@builtin(torch.polar)
+@register_vjp(torch.polar)
 class Polar:
     """polar(r, t) = r (cos t + i sin t).  With d = a + i b: d_t = r (b cos t - a sin t)
     = Re(conj(d) i out), and d_r = Re(conj(d) sgn(out)) = sign(r) (a cos t + b sin t)
@@ -172,7 +176,7 @@ class Polar:
         yield (r(4), randn(3, 1, dtype=dtype)), {}
 
 
-@builtin(torch.imag)
+@register_vjp(torch.imag)
 class Imag:
     """imag(z): d_z = complex(0, d) (derivatives.yaml `imag`)."""
 
@@ -187,7 +191,7 @@ class Imag:
         return torch.imag(z), (None if t is None else torch.imag(t))
 
 
-@builtin(torch.view_as_real)
+@register_vjp(torch.view_as_real)
 class ViewAsReal:
     """view_as_real(z) (..., 2): d_z = view_as_complex(d) (derivatives.yaml
     `view_as_real`)."""

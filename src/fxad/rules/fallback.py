@@ -29,14 +29,26 @@ not per call of the generated module), and ``fxad.show`` / ``fxad.code_with_shap
 """
 from __future__ import annotations
 
+import importlib
+import inspect
+import operator  # noqa: F401  (generated code names operator.* ops; _resolve imports by name)
 import os
+import sys
+import warnings
 from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from .registry import _RULES, add_rule
+from ..codegen import public_spelling
+from ..errors import RuleError
+from ..graph.proxy import _STATE as _PROXY_STATE  # the meta-computation depth
+from ..graph.proxy import fake_mode, in_meta_computation
+from ..graph.shapes import OUTPUT_META
+from ..naming import op_qualname
+from .registry import Rule, _install, _validate, lookup, missing_rule, op_name
 
 FALLBACK_SOURCE = ("fallback: the VJP is computed by torch.autograd on the op (recomputes the "
                    "forward); no hand-written rule")
@@ -65,9 +77,6 @@ def is_fallback_node(node: torch.fx.Node) -> bool:
 def fallback_uses(graph: torch.fx.Graph) -> list[tuple[str, Any]]:
     """``(op name, user's source location)`` of each autograd-fallback call in ``graph``, in
     order, each pair once.  The location is the forward op's ``SourceLoc`` (or ``None``)."""
-    from ..codegen import public_spelling
-    from .registry import op_name
-
     seen: dict[tuple[str, str], tuple[str, Any]] = {}
     for n in graph.nodes:
         if not is_fallback_node(n):
@@ -88,9 +97,6 @@ def warn_fallbacks(graph: torch.fx.Graph, api: str) -> list[tuple[str, Any]]:
     autograd fallback, naming each op and the user's line; returns the uses (empty: no
     warning).  Called once per build by the entry points (``fxad.vjp``/``grad``/``jvp``),
     never by the generated code itself."""
-    import sys
-    import warnings
-
     uses = fallback_uses(graph)
     if not uses:
         return uses
@@ -112,10 +118,7 @@ def warn_fallbacks(graph: torch.fx.Graph, api: str) -> list[tuple[str, Any]]:
 
 def is_fallback(op: Any) -> bool:
     """True when ``op``'s registered rule is a fallback rule, not a hand-written one."""
-    try:
-        rule = _RULES.get(op)
-    except TypeError:
-        return False
+    rule = lookup(op)
     return rule is not None and rule.source == FALLBACK_SOURCE
 
 
@@ -137,9 +140,6 @@ def _resolve(op: Any) -> Any:
         return _BY_NAME[op]
     # generated code run in a fresh interpreter (``to_folder``) names an op whose fallback
     # was built on demand: ``operator.mul``, ``torch.nn.functional.linear``, ``expand``
-    import importlib
-    import operator  # noqa: F401  (importable by name below)
-
     parts = op.split(".")
     if len(parts) == 1:
         return getattr(torch.Tensor, op)
@@ -163,7 +163,6 @@ def autograd_vjp(op: Any, args: tuple, kwargs: dict, d_out: Any) -> tuple:
     op = _resolve(op)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
-    from ..graph.proxy import in_meta_computation
     if in_meta_computation():  # shapes only: one cotangent shaped like each floating leaf
         return tuple(torch.zeros_like(leaves[i]) for i in slots)
     xs = [leaves[i].detach() for i in slots]
@@ -217,9 +216,7 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
     prim = tuple(leaves[i] for i in slots)
-    from ..graph.proxy import in_meta_computation
     if in_meta_computation():  # shapes only (torch.func cannot load its tables in fake mode)
-        from ..graph.shapes import OUTPUT_META
         a, kw = pytree.tree_unflatten(leaves, spec)
         out = OUTPUT_META[op](*a, **kw) if op in OUTPUT_META else op(*a, **kw)
         return out, pytree.tree_map(lambda o: o.clone() if _is_diff(o) else None, out)
@@ -238,8 +235,6 @@ def autograd_jvp(op: Any, args: tuple, kwargs: dict, tangents: tuple) -> tuple:
         # PyTorch's own forward AD is not used as a second resort: the OpInfo sweep found it
         # disagreeing with autograd's reverse mode on several ops (stft, triangular_solve,
         # chunked linear_cross_entropy), and a wrong tangent is worse than an error
-        from ..errors import RuleError
-
         raise RuleError(
             f"forward mode for {getattr(op, '__name__', op)} (no hand-written rule) needs "
             f"its autograd double backward, which is unavailable: {str(e).splitlines()[0]}",
@@ -281,7 +276,7 @@ def _jvp_by_double_vjp(f: Any, prim: tuple, tans: tuple) -> tuple:
 
 def _make_rule(op: Any) -> None:
     fwd, bwd, jvp = _build(op)
-    add_rule(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
+    _install(op, fwd, bwd, jvp=jvp, source=FALLBACK_SOURCE, builtin=True)
     _FALLBACK_OPS.add(op)
 
 
@@ -301,14 +296,12 @@ def custom_op_rule(op: Any) -> Any:
     warns (:class:`FallbackWarning`) like every fallback."""
     if os.environ.get("FXAD_NO_FALLBACK"):
         return None
-    from ..naming import op_qualname
-
     qual = op_qualname(op)
     if qual is None or qual.split("::", 1)[0] in _TORCH_NAMESPACES:
         return None
-    if _RULES.get(op) is None:
+    if lookup(op) is None:
         _make_rule(op)
-    return _RULES.get(op)
+    return lookup(op)
 
 
 def complex_rule(op: Any) -> Any:
@@ -317,8 +310,6 @@ def complex_rule(op: Any) -> Any:
     (see :mod:`fxad.rules.complex`).  Not registered: hand-written rules keep serving real
     tensors."""
     if op not in _COMPLEX_RULES:
-        from .registry import Rule, _validate
-
         fwd, bwd, jvp = _build(op)
         _COMPLEX_RULES[op] = Rule(op=op, fwd=fwd, bwd=bwd, jvp=jvp, source=FALLBACK_SOURCE,
                                   params=_validate(op, fwd, bwd), builtin=True)
@@ -326,10 +317,6 @@ def complex_rule(op: Any) -> Any:
 
 
 def _build(op: Any) -> tuple[Any, Any, Any]:
-    from .registry import op_name
-
-    from ..codegen import public_spelling
-
     name = op_name(op)
     if isinstance(op, str):  # a Tensor method kept as a method call (``x.expand(...)``)
         op = getattr(torch.Tensor, op)
@@ -383,9 +370,6 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     """At transform time, on fake tensors: raise :class:`fxad.MissingRuleError` when autograd
     has no derivative for this call either (e.g. ``torch.special.airy_ai``), instead of
     generating code that fails when it runs."""
-    from ..graph.proxy import fake_mode
-    from .registry import missing_rule
-
     def conv(v: Any) -> Any:
         if isinstance(v, torch.fx.Proxy):
             v = v.node.meta.get("val")
@@ -396,9 +380,7 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     if any(isinstance(v, torch.fx.Proxy) and not isinstance(v.node.meta.get("val"), torch.Tensor)
            for v in pytree.tree_leaves((args, kwargs))):
         return
-    from ..graph import proxy as _proxy
-
-    _proxy._STATE.in_meta = getattr(_proxy._STATE, "in_meta", 0) + 1  # factories: no recording
+    _PROXY_STATE.in_meta = getattr(_PROXY_STATE, "in_meta", 0) + 1  # factories: no recording
     try:
         with fake_mode():
             a, k = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
@@ -409,7 +391,7 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
     except Exception:  # cannot tell on fake tensors: let the generated code decide
         return
     finally:
-        _proxy._STATE.in_meta -= 1
+        _PROXY_STATE.in_meta -= 1
     outs = [o for o in pytree.tree_leaves(out) if _is_diff(o)]
     has_input = any(_is_diff(v) for v in pytree.tree_leaves((a, k)))
     if has_input and outs and all(
@@ -422,8 +404,6 @@ def _require_autograd_formula(op: Any, name: str, method: bool, args: tuple,
 def _custom_op_without_autograd(op: Any) -> bool:
     """A ``torch.library.custom_op`` with no ``register_autograd``: autograd accepts it (its
     generated backward node raises only when run), so fxad asks the op's definition."""
-    from ..naming import op_qualname
-
     qual = op_qualname(op)
     if qual is None:
         return False
@@ -438,11 +418,6 @@ def _custom_op_without_autograd(op: Any) -> bool:
 def _refuse_random(op: Any, args: tuple, kwargs: dict) -> None:
     """The fallback recomputes the op in the backward, so a random op (dropout in training
     mode) would get a different mask: refuse with a clear error instead of wrong numbers."""
-    import inspect
-
-    from ..errors import RuleError
-    from .registry import op_name
-
     try:
         b = inspect.signature(op).bind(*args, **kwargs)
     except (TypeError, ValueError):
@@ -483,8 +458,6 @@ _SKIP = {
 
 
 def _candidates() -> list[Any]:
-    import torch.nn.functional as F
-
     found: list[Any] = []
     for mod in (torch, F, torch.linalg, torch.special, torch.fft):
         for name in dir(mod):
@@ -526,9 +499,10 @@ def register_fallbacks() -> int:
     n = 0
     for fn in _candidates():
         try:
-            if fn in _RULES:
-                continue
+            hash(fn)
         except TypeError:
+            continue
+        if lookup(fn) is not None:
             continue
         _make_rule(fn)
         n += 1

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._base import builtin, randn
-from .registry import add_rule
+from ._base import randn
+from .registry import register_vjp
 
 
 _DUAL = {None: "forward", "backward": "forward", "forward": "backward", "ortho": "ortho"}
@@ -123,38 +123,44 @@ class C2C:
         return (_real_if(_fit_all(g, dims, sizes), real),)
 
 
-def _register_transform(op: Any, kind: str, aux_of: Any, bwd: Any, source: str,
-                        samples: Any) -> None:
-    """Register a rule for a torch.fft transform: ``kind`` "1" (``n``, ``dim``), "2" or "n"
+def _transform_rule(op: Any, kind: str, aux_of: Any, back: Any, doc: str,
+                    sampler: Any) -> type:
+    """The rule class of a torch.fft transform: ``kind`` "1" (``n``, ``dim``), "2" or "n"
     (``s``, ``dim``).  Forward: the op, with ``aux_of(input, dims, n_or_s, norm)`` as
-    residuals; JVP: the op applied to the tangent (the transforms are linear)."""
+    residuals; JVP: the op applied to the tangent (the transforms are linear); backward
+    ``back``."""
     if kind == "1":
-        def fwd(input, n=None, dim=-1, norm=None):
-            out = op(input, n=n, dim=dim, norm=norm)
-            return out, aux_of(input, [dim % input.dim()], n, norm)
+        class Transform:
+            def fwd(input, n=None, dim=-1, norm=None):
+                out = op(input, n=n, dim=dim, norm=norm)
+                return out, aux_of(input, [dim % input.dim()], n, norm)
 
-        def jvp(primals, tangents):
-            x, n, dim, norm = primals
-            t = tangents[0]
-            return op(x, n=n, dim=dim, norm=norm), \
-                (None if t is None else op(t, n=n, dim=dim, norm=norm))
+            def jvp(primals, tangents):
+                x, n, dim, norm = primals
+                t = tangents[0]
+                return op(x, n=n, dim=dim, norm=norm), \
+                    (None if t is None else op(t, n=n, dim=dim, norm=norm))
     else:
         default_dim = (-2, -1) if kind == "2" else None
 
-        def fwd(input, s=None, dim=default_dim, norm=None):
-            out = op(input, s=s, dim=dim, norm=norm)
-            return out, aux_of(input, _nd_dims(input.dim(), s, dim), s, norm)
+        class Transform:  # type: ignore[no-redef]
+            def fwd(input, s=None, dim=default_dim, norm=None):
+                out = op(input, s=s, dim=dim, norm=norm)
+                return out, aux_of(input, _nd_dims(input.dim(), s, dim), s, norm)
 
-        def jvp(primals, tangents):
-            x, s, dim, norm = primals
-            t = tangents[0]
-            return op(x, s=s, dim=dim, norm=norm), \
-                (None if t is None else op(t, s=s, dim=dim, norm=norm))
+            def jvp(primals, tangents):
+                x, s, dim, norm = primals
+                t = tangents[0]
+                return op(x, s=s, dim=dim, norm=norm), \
+                    (None if t is None else op(t, s=s, dim=dim, norm=norm))
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=source, builtin=True)
+    Transform.bwd = back
+    Transform.source = doc
+    Transform.samples = sampler
+    return Transform
 
 
-def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
+def _c2c_rule(op: Any, inverse: bool, kind: str) -> type:
     def aux_of(input, dims, size, norm):
         return (dims, [input.shape[k] for k in dims], norm, inverse, not input.is_complex())
 
@@ -179,13 +185,13 @@ def _register_c2c(op: Any, inverse: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    _register_transform(op, kind, aux_of, C2C.bwd, C2C.__doc__, samples)
+    return _transform_rule(op, kind, aux_of, C2C.bwd, C2C.__doc__, samples)
 
 
 for _op, _inv, _kind in ((torch.fft.fft, False, "1"), (torch.fft.ifft, True, "1"),
                          (torch.fft.fft2, False, "2"), (torch.fft.ifft2, True, "2"),
                          (torch.fft.fftn, False, "n"), (torch.fft.ifftn, True, "n")):
-    _register_c2c(_op, _inv, _kind)
+    register_vjp(_op)(_c2c_rule(_op, _inv, _kind))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +224,7 @@ def _n_last(x: Any, dims: list[int], size: Any) -> int:
     return x.shape[dims[-1]]
 
 
-def _register_r2c(op: Any, conj: bool, kind: str) -> None:
+def _r2c_rule(op: Any, conj: bool, kind: str) -> type:
     def aux_of(input, dims, size, norm):
         return (dims, [input.shape[k] for k in dims], _n_last(input, dims, size),
                 _DUAL[norm] if conj else norm, conj)
@@ -243,13 +249,13 @@ def _register_r2c(op: Any, conj: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    _register_transform(op, kind, aux_of, R2C.bwd, R2C.__doc__, samples)
+    return _transform_rule(op, kind, aux_of, R2C.bwd, R2C.__doc__, samples)
 
 
 for _op, _cj, _kind in ((torch.fft.rfft, False, "1"), (torch.fft.ihfft, True, "1"),
                         (torch.fft.rfft2, False, "2"), (torch.fft.ihfft2, True, "2"),
                         (torch.fft.rfftn, False, "n"), (torch.fft.ihfftn, True, "n")):
-    _register_r2c(_op, _cj, _kind)
+    register_vjp(_op)(_r2c_rule(_op, _cj, _kind))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +280,7 @@ class C2R:
         return (torch.conj(g) if conj else g,)
 
 
-def _register_c2r(op: Any, conj: bool, kind: str) -> None:
+def _c2r_rule(op: Any, conj: bool, kind: str) -> type:
     def aux_of(input, dims, size, norm):
         return (dims, [input.shape[k] for k in dims], _DUAL[norm] if conj else norm, conj,
                 not input.is_complex())
@@ -302,13 +308,13 @@ def _register_c2r(op: Any, conj: bool, kind: str) -> None:
                 yield (randn(5, 6, 7, dtype=dtype),), {"s": (8,)}
                 yield (randn(5, 6, 7, dtype=dtype),), {"dim": (-3, -2, -1)}
 
-    _register_transform(op, kind, aux_of, C2R.bwd, C2R.__doc__, samples)
+    return _transform_rule(op, kind, aux_of, C2R.bwd, C2R.__doc__, samples)
 
 
 for _op, _cj, _kind in ((torch.fft.irfft, False, "1"), (torch.fft.hfft, True, "1"),
                         (torch.fft.irfft2, False, "2"), (torch.fft.hfft2, True, "2"),
                         (torch.fft.irfftn, False, "n"), (torch.fft.hfftn, True, "n")):
-    _register_c2r(_op, _cj, _kind)
+    register_vjp(_op)(_c2r_rule(_op, _cj, _kind))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,30 +326,33 @@ class Shift:
     so d_x = ifftshift(d, dim) resp. fftshift(d, dim) (derivatives.yaml via `roll`)."""
 
 
-def _register_shift(op: Any, adjoint: Any) -> None:
-    def fwd(input, dim=None):
-        return op(input, dim=dim), dim
+def _shift_rule(op: Any, adjoint: Any) -> type:
+    class ShiftRule:
+        source = Shift.__doc__
 
-    def bwd(aux, d):
-        return (adjoint(d, dim=aux),)
+        def fwd(input, dim=None):
+            return op(input, dim=dim), dim
 
-    def jvp(primals, tangents):
-        x, dim = primals
-        t = tangents[0]
-        return op(x, dim=dim), (None if t is None else op(t, dim=dim))
+        def bwd(aux, d):
+            return (adjoint(d, dim=aux),)
 
-    def samples(dtype):
-        yield (randn(9, 10, dtype=dtype),), {}
-        yield (randn(5, dtype=dtype), 0), {}
-        yield (randn(5, 11, dtype=dtype),), {"dim": (1,)}
-        yield (randn(5, 6, 3, dtype=dtype),), {"dim": (0, 2)}
-        yield (randn(5, 7, dtype=dtype),), {"dim": -1}
+        def jvp(primals, tangents):
+            x, dim = primals
+            t = tangents[0]
+            return op(x, dim=dim), (None if t is None else op(t, dim=dim))
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, source=Shift.__doc__, builtin=True)
+        def samples(dtype):
+            yield (randn(9, 10, dtype=dtype),), {}
+            yield (randn(5, dtype=dtype), 0), {}
+            yield (randn(5, 11, dtype=dtype),), {"dim": (1,)}
+            yield (randn(5, 6, 3, dtype=dtype),), {"dim": (0, 2)}
+            yield (randn(5, 7, dtype=dtype),), {"dim": -1}
+
+    return ShiftRule
 
 
-_register_shift(torch.fft.fftshift, torch.fft.ifftshift)
-_register_shift(torch.fft.ifftshift, torch.fft.fftshift)
+register_vjp(torch.fft.fftshift)(_shift_rule(torch.fft.fftshift, torch.fft.ifftshift))
+register_vjp(torch.fft.ifftshift)(_shift_rule(torch.fft.ifftshift, torch.fft.fftshift))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +379,7 @@ def _frame_index(length: int, n_fft: int, hop: int, pad: int, mode: str, like: A
     return torch.where((s < 0) | (s >= length), length, s)
 
 
-@builtin(torch.stft)
+@register_vjp(torch.stft)
 class Stft:
     """stft(x, n_fft, hop, win, window, ...): with frames f[t, k] = x_pad[t*hop + k] and the
     window w zero-padded to n_fft, out[f, t] = fft_k(w[k] f[t, k]) (one-sided: bins

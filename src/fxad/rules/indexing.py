@@ -34,11 +34,11 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import RuleError
-from ._base import builtin, randn, _is_t
-from .registry import add_rule, needs_cotangent
+from ._base import randn, _is_t
+from .registry import needs_cotangent, register_vjp
 
 
-@builtin(torch.masked_fill)
+@register_vjp(torch.masked_fill)
 class MaskedFill:
     """masked_fill(x, mask, v): d_x = d with masked entries zeroed; a tensor ``v`` receives the
     sum of d over the mask (derivatives.yaml `masked_fill.Tensor`)."""
@@ -70,7 +70,7 @@ def _has_tensor_index(index: Any) -> bool:
                for i in items)
 
 
-@builtin(operator.getitem)
+@register_vjp(operator.getitem)
 class GetItem:
     """x[index] with ints, slices, None, Ellipsis and integer/bool tensors.  Basic indexing:
     d_x = zeros with d written at ``index``; advanced indexing (repeated indices possible):
@@ -130,7 +130,7 @@ def _masked_value_cotangent(d: Any, index: Any, vshape: tuple) -> Any:
     return total
 
 
-@builtin(ops.setitem)
+@register_vjp(ops.setitem)
 class SetItem:
     """Functional ``x[index] = v``: d_x = d with ``index`` zeroed, d_v = d[index]
     (derivatives.yaml `index_put`)."""
@@ -159,7 +159,7 @@ class SetItem:
         yield (randn(4, 5, dtype=dtype), (0, slice(None)), 1.5), {}
 
 
-@builtin(torch.gather)
+@register_vjp(torch.gather)
 class Gather:
     """gather(x, dim, idx): d_x = zeros.scatter_add(dim, idx, d) (derivatives.yaml `gather`)."""
 
@@ -182,7 +182,7 @@ def _zeros_if_none(t: Any, like: Any) -> Any:
     return torch.zeros_like(like) if t is None else t
 
 
-@builtin(torch.scatter_add)
+@register_vjp(torch.scatter_add)
 class ScatterAdd:
     """scatter_add(x, dim, idx, src): d_x = d, d_src = gather(d, dim, idx) (derivatives.yaml
     `scatter_add`).  Linear in (x, src): the JVP is the same scatter_add of the tangents.
@@ -205,7 +205,7 @@ class ScatterAdd:
                randn(3, 2, dtype=dtype)), {}
 
 
-@builtin(torch.scatter)
+@register_vjp(torch.scatter)
 class Scatter:
     """scatter(x, dim, idx, src): d_x = d with the written positions zeroed, d_src =
     gather(d, dim, idx) (derivatives.yaml `scatter.src`, `scatter.value`); indices are assumed
@@ -233,7 +233,7 @@ class Scatter:
         yield (randn(3, 4, dtype=dtype), 1, torch.tensor([[0], [3], [2]]), 0.5), {}
 
 
-@builtin(torch.index_add)
+@register_vjp(torch.index_add)
 class IndexAdd:
     """index_add(x, dim, idx, src, alpha): d_x = d, d_src = alpha * index_select(d, dim, idx)
     (derivatives.yaml `index_add`).  Linear in (x, src).  Needed to differentiate the backward
@@ -261,7 +261,7 @@ class IndexAdd:
             {"alpha": 2.0}
 
 
-@builtin(torch.index_select)
+@register_vjp(torch.index_select)
 class IndexSelect:
     """index_select(x, dim, idx): d_x = zeros.index_add(dim, idx, d)
     (derivatives.yaml `index_select`)."""
@@ -281,7 +281,7 @@ class IndexSelect:
         yield (randn(3, 4, dtype=dtype), 1, torch.tensor([0, 3, 3])), {}
 
 
-@builtin(torch.select_scatter)
+@register_vjp(torch.select_scatter)
 class SelectScatter:
     """select_scatter(x, src, dim, i): d_x = select_scatter(d, 0, dim, i),
     d_src = select(d, dim, i) (derivatives.yaml `select_scatter`)."""
@@ -302,7 +302,7 @@ def _slice_index(ndim: int, dim: int, start: Any, end: Any, step: int) -> tuple:
     return (slice(None),) * (dim % ndim) + (slice(start, end, step),)
 
 
-@builtin(torch.slice_scatter)
+@register_vjp(torch.slice_scatter)
 class SliceScatter:
     """slice_scatter(x, src, dim, start, end, step): d_x = slice_scatter(d, 0, ...),
     d_src = d[..., start:end:step] (derivatives.yaml `slice_scatter`)."""
@@ -320,7 +320,7 @@ class SliceScatter:
         yield (randn(4, 6, dtype=dtype), randn(4, 2, dtype=dtype), 1, 1, 5, 2), {}
 
 
-@builtin(torch.diagonal_scatter)
+@register_vjp(torch.diagonal_scatter)
 class DiagonalScatter:
     """diagonal_scatter(x, src, offset, dim1, dim2): d_x = diagonal_scatter(d, 0, ...),
     d_src = diagonal(d, ...) (derivatives.yaml `diagonal_scatter`)."""
@@ -340,7 +340,7 @@ class DiagonalScatter:
 
 # --- gathers --------------------------------------------------------------------------------
 
-@builtin(torch.take)
+@register_vjp(torch.take)
 class Take:
     """take(x, idx) = x.flatten()[idx]: d_x = zeros.index_add(0, idx.flatten(), d.flatten())
     reshaped (derivatives.yaml `take`)."""
@@ -365,7 +365,7 @@ class Take:
         yield (randn(3, 4, dtype=dtype), torch.tensor([[0, 5], [11, 5]])), {}
 
 
-@builtin(torch.take_along_dim)
+@register_vjp(torch.take_along_dim)
 class TakeAlongDim:
     """take_along_dim(x, idx, dim): d_x = zeros (broadcast shape) scatter_add of d at idx
     along dim; dim=None works on x.flatten() (derivatives.yaml `take_along_dim` via
@@ -404,7 +404,7 @@ class TakeAlongDim:
         yield (randn(1, 4, dtype=dtype), torch.tensor([[0, 1], [3, 3], [2, 0]]), 1), {}
 
 
-@builtin(torch.index_copy)
+@register_vjp(torch.index_copy)
 class IndexCopy:
     """index_copy(x, dim, idx, src): d_x = index_fill(d, dim, idx, 0),
     d_src = index_select(d, dim, idx) (derivatives.yaml `index_copy`)."""
@@ -420,7 +420,7 @@ class IndexCopy:
         yield (randn(4, 3, dtype=dtype), 0, torch.tensor([2, 0]), randn(2, 3, dtype=dtype)), {}
 
 
-@builtin(torch.index_fill)
+@register_vjp(torch.index_fill)
 class IndexFill:
     """index_fill(x, dim, idx, value): d_x = index_fill(d, dim, idx, 0); a tensor value gets
     sum(d over the filled slots, each once) (derivatives.yaml `index_fill.int_Tensor`:
@@ -532,9 +532,7 @@ def _index_put_rule(method: bool) -> type:
 
 
 for _m, _op in ((False, torch.index_put), (True, torch.Tensor.index_put)):
-    _cls = _index_put_rule(_m)
-    add_rule(_op, _cls.fwd, _cls.bwd, jvp=_cls.jvp, samples=_cls.samples,
-             source=_cls.__doc__, builtin=True)
+    register_vjp(_op)(_index_put_rule(_m))
 
 
 def _put_rule(method: bool) -> type:
@@ -575,9 +573,7 @@ def _put_rule(method: bool) -> type:
 
 
 for _m, _op in ((False, torch.put), (True, torch.Tensor.put)):
-    _cls = _put_rule(_m)
-    add_rule(_op, _cls.fwd, _cls.bwd, jvp=_cls.jvp, samples=_cls.samples,
-             source=_cls.__doc__, builtin=True)
+    register_vjp(_op)(_put_rule(_m))
 
 
 def _masked_scatter_rule(method: bool) -> type:
@@ -627,9 +623,7 @@ def _masked_scatter_rule(method: bool) -> type:
 
 
 for _m, _op in ((False, torch.masked_scatter), (True, torch.Tensor.masked_scatter)):
-    _cls = _masked_scatter_rule(_m)
-    add_rule(_op, _cls.fwd, _cls.bwd, jvp=_cls.jvp, samples=_cls.samples,
-             source=_cls.__doc__, builtin=True)
+    register_vjp(_op)(_masked_scatter_rule(_m))
 
 
 def _clamped(x: Any, indices: Any) -> tuple:
@@ -645,7 +639,7 @@ def _clamped(x: Any, indices: Any) -> tuple:
     return tuple(out)
 
 
-@builtin(torch._unsafe_masked_index)
+@register_vjp(torch._unsafe_masked_index)
 class UnsafeMaskedIndex:
     """_unsafe_masked_index(x, mask, indices, fill) = where(mask, x[indices], fill), indices
     clamped into range: d_x = zeros.index_put(indices, where(mask, d, 0), accumulate=True)
@@ -675,7 +669,7 @@ class UnsafeMaskedIndex:
         yield (x, torch.ones(3, 1, dtype=torch.bool), [torch.tensor([0, 3, 0])], 2.0), {}
 
 
-@builtin(torch._unsafe_masked_index_put_accumulate)
+@register_vjp(torch._unsafe_masked_index_put_accumulate)
 class UnsafeMaskedIndexPutAccumulate:
     """_unsafe_masked_index_put_accumulate(x, mask, indices, values) = x.index_put(indices,
     where(mask, values, 0), accumulate=True), indices clamped into range: d_x = d,
@@ -710,7 +704,7 @@ class UnsafeMaskedIndexPutAccumulate:
 _SLICE = torch.ops.aten.slice.Tensor
 
 
-@builtin(_SLICE)
+@register_vjp(_SLICE)
 class AtenSlice:
     """aten.slice.Tensor(x, dim, start, end, step) = x[..., start:end:step, ...]:
     d_x = slice_scatter(zeros_like(x), d, dim, start, end, step) (derivatives.yaml
@@ -885,7 +879,7 @@ def _reduce_samples(scatter: bool, dtype: torch.dtype):
                     {"include_self": include_self}
 
 
-@builtin(torch.scatter_reduce)
+@register_vjp(torch.scatter_reduce)
 class ScatterReduce:
     """scatter_reduce(x, dim, index, src, reduce, include_self): derivatives.yaml
     `scatter_reduce.two` (scatter_reduce_backward): sum -> (d, gather(d)); mean -> d / count
@@ -930,7 +924,7 @@ class ScatterReduce:
         yield (randn(dtype=dtype), 0, torch.tensor(0), randn(dtype=dtype), "prod"), {}
 
 
-@builtin(torch.index_reduce)
+@register_vjp(torch.index_reduce)
 class IndexReduce:
     """index_reduce(x, dim, index, source, reduce, include_self): derivatives.yaml
     `index_reduce` (index_reduce_backward), the scatter_reduce formulas with index_add /
@@ -963,7 +957,7 @@ class IndexReduce:
 # combinations
 # --------------------------------------------------------------------------------------------
 
-@builtin(torch.combinations)
+@register_vjp(torch.combinations)
 class Combinations:
     """combinations(x, r, with_replacement) = x[idx] with the integer table
     idx = combinations(arange(n), r, with_replacement): d_x = index_add of d at idx; the op is

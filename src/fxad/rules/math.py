@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ._base import builtin, unary, _add, _binary_samples, _is_t, _LN10, _LN2, _t
-from .registry import add_rule
+from ._base import unary, _add, _binary_samples, _is_t, _LN10, _LN2, _t
+from .registry import register_vjp
 
 
 # --- unary functions ------------------------------------------------------------------------
@@ -129,7 +129,7 @@ unary(torch.sinc, save="input", residuals="inputs+output",
       source="sinc: grad * (cos(pi x) - sinc(x)) / x, 0 at x = 0 (derivatives.yaml `sinc`)")
 
 
-@builtin(torch.atan2)
+@register_vjp(torch.atan2)
 class Atan2:
     """atan2(a, b): d_a = d * b / (a^2 + b^2), d_b = -d * a / (a^2 + b^2)
     (derivatives.yaml ``atan2``)."""
@@ -146,7 +146,7 @@ class Atan2:
         yield from _binary_samples(dtype)
 
 
-@builtin(torch.hypot)
+@register_vjp(torch.hypot)
 class Hypot:
     """hypot(a, b) = sqrt(a^2 + b^2): d_a = d * a / out, d_b = d * b / out
     (derivatives.yaml ``hypot``)."""
@@ -169,7 +169,7 @@ class Hypot:
         yield from _binary_samples(dtype)
 
 
-@builtin(torch.logaddexp)
+@register_vjp(torch.logaddexp)
 class LogAddExp:
     """logaddexp(a, b): d_a = d * sigmoid(a - b), d_b = d * sigmoid(b - a)
     (derivatives.yaml ``logaddexp``)."""
@@ -186,7 +186,7 @@ class LogAddExp:
         yield from _binary_samples(dtype)
 
 
-@builtin(torch.logaddexp2)
+@register_vjp(torch.logaddexp2)
 class LogAddExp2:
     """logaddexp2(a, b) = log2(2^a + 2^b): d_a = d * sigmoid((a - b) ln 2)
     (derivatives.yaml ``logaddexp2``)."""
@@ -203,7 +203,7 @@ class LogAddExp2:
         yield from _binary_samples(dtype)
 
 
-@builtin(torch.xlogy)
+@register_vjp(torch.xlogy)
 class XLogY:
     """xlogy(x, y) = x log y (0 where x == 0): d_x = d * log y (0 where x == 0 and y is not
     NaN), d_y = d * x / y (derivatives.yaml ``xlogy.Tensor``)."""
@@ -225,7 +225,7 @@ class XLogY:
         yield from _binary_samples(dtype, 0.2, 2.0)
 
 
-@builtin(torch.special.xlog1py)
+@register_vjp(torch.special.xlog1py)
 class XLog1pY:
     """xlog1py(x, y) = x log1p(y): d_x = d * log1p(y) (0 where x == 0), d_y = d * x / (1 + y)
     (derivatives.yaml ``special_xlog1py``)."""
@@ -247,7 +247,7 @@ class XLog1pY:
         yield from _binary_samples(dtype, 0.2, 2.0)
 
 
-@builtin(torch.logit)
+@register_vjp(torch.logit)
 class Logit:
     """logit(x, eps): d_x = d / (x (1 - x)), 0 outside [eps, 1 - eps] when eps is given
     (derivatives.yaml `logit`: logit_backward)."""
@@ -267,27 +267,30 @@ class Logit:
         yield (_t((3, 4), dtype, 0.3, 0.7), 0.1), {}
 
 
-def _polygamma_rule(op, name, first):
-    def fwd(n, input):
-        return op(n, input), (n, input)
+def _polygamma_rule(op, name):
+    class Polygamma:
+        source = f"{name}(n, x): d_x = d polygamma(n + 1, x) (derivatives.yaml `polygamma`)"
 
-    def bwd(aux, d):
-        n, x = aux
-        return None, d * torch.polygamma(n + 1, x)
+        def fwd(n, input):
+            return op(n, input), (n, input)
 
-    def samples(dtype):
-        yield (1, _t((3, 4), dtype, 0.5, 3.0)), {}
-        yield (0, _t((3, 4), dtype, 0.5, 3.0)), {}
+        def bwd(aux, d):
+            n, x = aux
+            return None, d * torch.polygamma(n + 1, x)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}(n, x): d_x = d polygamma(n + 1, x) (derivatives.yaml `polygamma`)")
+        def samples(dtype):
+            yield (1, _t((3, 4), dtype, 0.5, 3.0)), {}
+            yield (0, _t((3, 4), dtype, 0.5, 3.0)), {}
 
-
-_polygamma_rule(torch.polygamma, "polygamma", True)
-_polygamma_rule(torch.special.polygamma, "special.polygamma", True)
+    return Polygamma
 
 
-@builtin(torch.mvlgamma)
+register_vjp(torch.polygamma)(_polygamma_rule(torch.polygamma, "polygamma"))
+register_vjp(torch.special.polygamma)(_polygamma_rule(torch.special.polygamma,
+                                                      "special.polygamma"))
+
+
+@register_vjp(torch.mvlgamma)
 class Mvlgamma:
     """mvlgamma(x, p) = const + sum_{i<p} lgamma(x - i/2): d_x = d sum_{i<p} digamma(x - i/2)
     (derivatives.yaml `mvlgamma`: mvlgamma_backward)."""
@@ -306,7 +309,7 @@ class Mvlgamma:
         yield (_t((3, 4), dtype, 2.0, 4.0), 3), {}
 
 
-@builtin(torch.special.i1)
+@register_vjp(torch.special.i1)
 class I1:
     """special.i1: d_x = d (i0(x) - i1(x) / x), 1/2 at x = 0 (derivatives.yaml `special_i1`:
     i1_backward)."""
@@ -323,7 +326,7 @@ class I1:
         yield (_t((3, 4), dtype),), {}
 
 
-@builtin(torch.special.i1e)
+@register_vjp(torch.special.i1e)
 class I1e:
     """special.i1e: d_x = d (i0e(x) - i1e(x) (sgn(x) + 1/x)), 1/2 at x = 0 (derivatives.yaml
     `special_i1e`: i1e_backward)."""
@@ -341,7 +344,7 @@ class I1e:
         yield (_t((3, 4), dtype),), {}
 
 
-@builtin(torch.special.entr)
+@register_vjp(torch.special.entr)
 class Entr:
     """special.entr(x) = -x log x: d_x = -d (1 + log x) (derivatives.yaml `special_entr`)."""
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ._base import _error, _t, builtin, randn
+from ._base import _error, _t, randn
+from .registry import register_vjp
 
 
 def _no_generator(op: str, generator: Any) -> None:
@@ -32,7 +33,7 @@ def _no_generator(op: str, generator: Any) -> None:
                      "draw from the default generator (seed it with torch.manual_seed)")
 
 
-@builtin(torch.bernoulli)
+@register_vjp(torch.bernoulli)
 class Bernoulli:
     """``torch.bernoulli(p)`` (out[i] ~ Bernoulli(p[i])) and ``torch.bernoulli(x, p)``
     (Bernoulli(p) with x's shape and dtype): the generated forward calls the op itself, so
@@ -68,7 +69,7 @@ def _normal(mean: Any, std: Any, size: Any, kwargs: dict) -> Any:
     return torch.normal(mean, std, **kwargs)
 
 
-@builtin(torch.normal)
+@register_vjp(torch.normal)
 class Normal:
     """``torch.normal(mean, std)`` with tensor or float mean and std (out = mean + std * eps,
     eps ~ N(0, 1) drawn into a contiguous tensor of the broadcast shape): the generated

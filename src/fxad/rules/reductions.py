@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from ..errors import RuleError
-from ._base import (builtin, dims_of, randn, restore_reduced, uniform, _excl_cumprod, _index_back,
+from ._base import (dims_of, randn, restore_reduced, uniform, _excl_cumprod, _index_back,
                     _is_t, _tie_select, _value_d)
-from .registry import add_rule
+from .registry import register_vjp
 
 
 def _count(shape: Any, dims: tuple[int, ...]) -> int:
@@ -56,7 +56,7 @@ def _reduce(op: Any, x: Any, dim: Any, keepdim: bool, dtype: Any) -> Any:
     return op(*args) if dtype is None else op(*args, dtype=dtype)
 
 
-@builtin(torch.sum)
+@register_vjp(torch.sum)
 class Sum:
     """sum(x, dim, keepdim): d_x = d broadcast back over the reduced dims
     (derivatives.yaml `sum.dim_IntList`: grad.expand_symint(self.sym_sizes()))."""
@@ -83,7 +83,7 @@ class Sum:
         yield (randn(3, 4, dtype=dtype), -1, False), {}
 
 
-@builtin(torch.mean)
+@register_vjp(torch.mean)
 class Mean:
     """mean(x, dim, keepdim): d_x = d / n broadcast back (derivatives.yaml `mean.dim`)."""
 
@@ -134,7 +134,7 @@ def _var_args(dim: Any, unbiased: Any, keepdim: Any, correction: Any) -> tuple[A
     return dim, bool(keepdim), _correction(unbiased, correction)
 
 
-@builtin(torch.var)
+@register_vjp(torch.var)
 class Var:
     """var(x, dim, correction): d_x = d * 2 (x - mean) / (n - correction)
     (derivatives.yaml `var.correction`: var_backward)."""
@@ -168,7 +168,7 @@ class Var:
         yield (randn(6, 4, dtype=dtype), 0, False), {}
 
 
-@builtin(torch.std)
+@register_vjp(torch.std)
 class Std:
     """std(x) = sqrt(var(x)): d_x = d * (x - mean) / ((n - correction) * std)
     (derivatives.yaml `std.correction`: std_backward)."""
@@ -202,7 +202,7 @@ class Std:
         yield (randn(3, 4, 5, dtype=dtype), 1), {"keepdim": True}
 
 
-@builtin(torch.var_mean)
+@register_vjp(torch.var_mean)
 class VarMean:
     """var_mean(x, dim, correction) -> (var, mean): d_x = d_var * 2 (x - mean) / (n - correction)
     + d_mean / n (derivatives.yaml `var_mean.correction`: var_mean_backward).  Used by the
@@ -278,36 +278,23 @@ def _amax_like(op: Any) -> Any:
     return AmaxRule
 
 
-builtin(torch.amax)(_amax_like(torch.amax))
-builtin(torch.amin)(_amax_like(torch.amin))
+register_vjp(torch.amax)(_amax_like(torch.amax))
+register_vjp(torch.amin)(_amax_like(torch.amin))
 
 
-def _max_like(op: Any, elementwise: Any) -> Any:
-    class MaxRule:
+def _max_like(op: Any, elementwise: Any) -> tuple[type, ...]:
+    """The rules of ``torch.max`` / ``torch.min``: three overloads, by the call's arguments."""
+
+    class MaxDim:
+        """{op}(x, dim, keepdim) -> (values, indices): the cotangent is scattered to the
+        selected index (the default overload)."""
 
         def fwd(input, dim=None, keepdim=False):
-            if dim is None:
-                out = op(input)
-                return out, ("all", input, out)
-            if hasattr(dim, "node") or isinstance(dim, torch.Tensor):  # binary form
-                out = elementwise(input, dim)
-                return out, ("binary", input, dim, out)
             out = op(input, dim, keepdim)
-            return out, ("dim", input, dim, keepdim, out[1])
+            return out, (input, dim, keepdim, out[1])
 
         def bwd(aux, d):
-            kind = aux[0]
-            if kind == "all":
-                _, x, out = aux
-                hit = (x == out).to(x.dtype)
-                return (hit * (d / torch.sum(hit)),)
-            if kind == "binary":
-                _, a, b, out = aux
-                tie = a == b
-                half = d * 0.5
-                return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
-                        torch.where(tie, half, torch.where(b == out, d, 0.0)))
-            _, x, dim, keepdim, idx = aux
+            x, dim, keepdim, idx = aux
             d_values = d[0]
             if d_values is None:
                 return (None,)
@@ -317,39 +304,84 @@ def _max_like(op: Any, elementwise: Any) -> Any:
             return (torch.zeros_like(x).scatter(dim, idx, d_values),)
 
         def jvp(primals, tangents):
-            (x, dim, keepdim), (tx, t_other, _) = primals, tangents
-            if dim is None:
-                out = op(x)
-                hit = (x == out).to(x.dtype)
-                return out, torch.sum(hit * tx) / torch.sum(hit)
-            if hasattr(dim, "node") or isinstance(dim, torch.Tensor):  # binary form
-                out = elementwise(x, dim)
-                return out, _tie_select(x, dim, out, tx, t_other)
+            (x, dim, keepdim), tx = primals, tangents[0]
             out = op(x, dim, keepdim)
             idx = out[1] if keepdim else torch.unsqueeze(out[1], dim)
             t = torch.gather(tx, dim, idx)
             return out, (t if keepdim else torch.squeeze(t, dim), None)
 
         def samples(dtype):
-            yield (randn(3, 4, dtype=dtype),), {}
             yield (randn(3, 4, dtype=dtype), 1), {}
             yield (randn(3, 4, 5, dtype=dtype), 0, True), {}
+
+    class MaxAll:
+        """{op}(x) -> value: the cotangent is shared evenly among ties (derivatives.yaml
+        `max`: evenly_distribute_backward)."""
+
+        def applies(input, dim=None, keepdim=False):
+            return dim is None
+
+        def fwd(input, dim=None, keepdim=False):
+            out = op(input)
+            return out, (input, out)
+
+        def bwd(aux, d):
+            x, out = aux
+            hit = (x == out).to(x.dtype)
+            return (hit * (d / torch.sum(hit)),)
+
+        def jvp(primals, tangents):
+            x, tx = primals[0], tangents[0]
+            out = op(x)
+            hit = (x == out).to(x.dtype)
+            return out, torch.sum(hit * tx) / torch.sum(hit)
+
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype),), {}
+
+    class MaxBinary:
+        """{op}(x, other) is torch.{elementwise}: the cotangent goes to the selected operand,
+        split evenly on ties."""
+
+        def applies(input, dim=None, keepdim=False):
+            return isinstance(dim, torch.Tensor)  # a tensor in the dim slot: the binary form
+
+        def fwd(input, dim=None, keepdim=False):
+            out = elementwise(input, dim)
+            return out, (input, dim, out)
+
+        def bwd(aux, d):
+            a, b, out = aux
+            tie = a == b
+            half = d * 0.5
+            return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
+                    torch.where(tie, half, torch.where(b == out, d, 0.0)))
+
+        def jvp(primals, tangents):
+            (x, other, _), (tx, t_other, _) = primals, tangents
+            out = elementwise(x, other)
+            return out, _tie_select(x, other, out, tx, t_other)
+
+        def samples(dtype):
             yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype)), {}
 
-    MaxRule.__doc__ = (
+    for cls in (MaxDim, MaxAll, MaxBinary):
+        cls.__doc__ = cls.__doc__.format(op=op.__name__, elementwise=elementwise.__name__)
+    MaxDim.__doc__ = (
         f"{op.__name__}(x) -> value: cotangent shared evenly among ties (derivatives.yaml "
         f"`max`: evenly_distribute_backward); {op.__name__}(x, dim) -> (values, indices): "
         "cotangent scattered to the selected index (derivatives.yaml `max.dim`: "
         f"value_selecting_reduction_backward); {op.__name__}(x, other) is "
         f"torch.{elementwise.__name__}.")
-    return MaxRule
+    return MaxDim, MaxAll, MaxBinary
 
 
-builtin(torch.max)(_max_like(torch.max, torch.maximum))
-builtin(torch.min)(_max_like(torch.min, torch.minimum))
+for _op, _elementwise in ((torch.max, torch.maximum), (torch.min, torch.minimum)):
+    for _cls in _max_like(_op, _elementwise):
+        register_vjp(_op)(_cls)
 
 
-@builtin(torch.logsumexp)
+@register_vjp(torch.logsumexp)
 class LogSumExp:
     """logsumexp(x, dim, keepdim): d_x = d * exp(x - out) (derivatives.yaml `logsumexp`:
     logsumexp_backward)."""
@@ -381,7 +413,7 @@ def _prod_others(x: Any, dim: int) -> Any:
     return _excl_cumprod(x, dim) * right
 
 
-@builtin(torch.prod)
+@register_vjp(torch.prod)
 class Prod:
     """prod(x, dim): d_x_k = d * prod_{j != k} x_j, computed as left * right exclusive
     cumulative products (exact with zeros; derivatives.yaml `prod.dim_int`: prod_backward)."""
@@ -414,75 +446,79 @@ class Prod:
 
 
 def _selecting(op, name, extra_first=False):
-    """Register a (values, indices) reduction over ``dim`` with ``keepdim``."""
+    """The rule class of a (values, indices) reduction over ``dim`` with ``keepdim``."""
 
-    def bwd(aux, d):
-        x, dim, keepdim, idx = aux
-        d = _value_d(d)
-        if d is None:
-            return (None,)
-        return (_index_back(x, dim % max(x.dim(), 1), idx, d, keepdim),)
+    class Selecting:
+        source = (f"{name}(x, dim) -> (values, indices): d_x = zeros.scatter_add(dim, "
+                  f"indices, d_values) (derivatives.yaml `{name}`: "
+                  "value_selecting_reduction_backward)")
 
-    if extra_first:
-        def fwd(input, k, dim=-1, keepdim=False):
-            out = op(input, k, dim, keepdim)
-            return out, (input, dim, keepdim, out[1])
+        if extra_first:
+            def fwd(input, k, dim=-1, keepdim=False):
+                out = op(input, k, dim, keepdim)
+                return out, (input, dim, keepdim, out[1])
 
-        def samples(dtype):
-            yield (randn(3, 5, dtype=dtype), 2), {}
-            yield (randn(3, 5, dtype=dtype), 3, 0, True), {}
-    else:
-        def fwd(input, dim=-1, keepdim=False):
-            out = op(input, dim, keepdim)
-            return out, (input, dim, keepdim, out[1])
+            def samples(dtype):
+                yield (randn(3, 5, dtype=dtype), 2), {}
+                yield (randn(3, 5, dtype=dtype), 3, 0, True), {}
+        else:
+            def fwd(input, dim=-1, keepdim=False):
+                out = op(input, dim, keepdim)
+                return out, (input, dim, keepdim, out[1])
 
-        def samples(dtype):
-            yield (randn(3, 5, dtype=dtype),), {}
-            yield (randn(3, 5, dtype=dtype), 0, True), {}
+            def samples(dtype):
+                yield (randn(3, 5, dtype=dtype),), {}
+                yield (randn(3, 5, dtype=dtype), 0, True), {}
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}(x, dim) -> (values, indices): d_x = zeros.scatter_add(dim, "
-                    f"indices, d_values) (derivatives.yaml `{name}`: "
-                    "value_selecting_reduction_backward)")
+        def bwd(aux, d):
+            x, dim, keepdim, idx = aux
+            d = _value_d(d)
+            if d is None:
+                return (None,)
+            return (_index_back(x, dim % max(x.dim(), 1), idx, d, keepdim),)
+
+    return Selecting
 
 
-_selecting(torch.kthvalue, "kthvalue", extra_first=True)
-_selecting(torch.mode, "mode")
+register_vjp(torch.kthvalue)(_selecting(torch.kthvalue, "kthvalue", extra_first=True))
+register_vjp(torch.mode)(_selecting(torch.mode, "mode"))
 
 
 def _median_rule(op, name):
-    def fwd(input, dim=None, keepdim=False):
-        if dim is None:
-            out = op(input)
-            return out, (input, None, keepdim, out)
-        out = op(input, dim, keepdim)
-        return out, (input, dim, keepdim, out[1])
+    class MedianRule:
+        source = (f"{name}(x) spreads d evenly over the elements equal to the result "
+                  f"(evenly_distribute_backward); {name}(x, dim) scatters d_values to the "
+                  f"indices (value_selecting_reduction_backward) (derivatives.yaml `{name}`)")
 
-    def bwd(aux, d):
-        x, dim, keepdim, res = aux
-        if dim is None:
-            mask = (x == res) | (torch.isnan(x) & torch.isnan(res))
-            return (mask * (d / torch.sum(mask)),)
-        d = _value_d(d)
-        if d is None:
-            return (None,)
-        return (_index_back(x, dim % max(x.dim(), 1), res, d, keepdim),)
+        def fwd(input, dim=None, keepdim=False):
+            if dim is None:
+                out = op(input)
+                return out, (input, None, keepdim, out)
+            out = op(input, dim, keepdim)
+            return out, (input, dim, keepdim, out[1])
 
-    def samples(dtype):
-        yield (randn(3, 5, dtype=dtype),), {}
-        yield (randn(3, 5, dtype=dtype), 1), {}
+        def bwd(aux, d):
+            x, dim, keepdim, res = aux
+            if dim is None:
+                mask = (x == res) | (torch.isnan(x) & torch.isnan(res))
+                return (mask * (d / torch.sum(mask)),)
+            d = _value_d(d)
+            if d is None:
+                return (None,)
+            return (_index_back(x, dim % max(x.dim(), 1), res, d, keepdim),)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}(x) spreads d evenly over the elements equal to the result "
-                    f"(evenly_distribute_backward); {name}(x, dim) scatters d_values to the "
-                    f"indices (value_selecting_reduction_backward) (derivatives.yaml `{name}`)")
+        def samples(dtype):
+            yield (randn(3, 5, dtype=dtype),), {}
+            yield (randn(3, 5, dtype=dtype), 1), {}
 
-
-_median_rule(torch.median, "median")
-_median_rule(torch.nanmedian, "nanmedian")
+    return MedianRule
 
 
-@builtin(torch.aminmax)
+register_vjp(torch.median)(_median_rule(torch.median, "median"))
+register_vjp(torch.nanmedian)(_median_rule(torch.nanmedian, "nanmedian"))
+
+
+@register_vjp(torch.aminmax)
 class AminMax:
     """aminmax(x, dim) -> (min, max): each cotangent spread evenly over the elements equal to
     its result along the reduced dims (derivatives.yaml `aminmax`: like `amin`/`amax`,
@@ -515,7 +551,7 @@ class AminMax:
             {"dim": 0, "keepdim": True}
 
 
-@builtin(torch.nansum)
+@register_vjp(torch.nansum)
 class NanSum:
     """nansum(x, dim): d_x = d broadcast back, 0 at NaN inputs (derivatives.yaml `nansum`)."""
 
@@ -537,7 +573,7 @@ class NanSum:
         yield (x, 1), {}
 
 
-@builtin(torch.nanmean)
+@register_vjp(torch.nanmean)
 class NanMean:
     """nanmean(x, dim) = nansum(x, dim) / count of non-NaN: d_x = d / count broadcast back,
     0 at NaN inputs (derivatives.yaml composite: nansum / sum(~isnan))."""
@@ -563,7 +599,7 @@ class NanMean:
         yield (x, 1), {}
 
 
-@builtin(torch.std_mean)
+@register_vjp(torch.std_mean)
 class StdMean:
     """std_mean(x, dim, correction) -> (std, mean): d_x = d_std (x - mean) / ((n - c) std)
     + d_mean / n (derivatives.yaml `std_mean.correction`: std_mean_backward)."""
@@ -726,9 +762,7 @@ def _quantile_rule(op: Any, ignore_nan: bool) -> type:
 
 
 for _op, _nan in ((torch.quantile, False), (torch.nanquantile, True)):
-    _cls = _quantile_rule(_op, _nan)
-    add_rule(_op, _cls.fwd, _cls.bwd, jvp=_cls.jvp, samples=_cls.samples,
-             source=_cls.__doc__, builtin=True)
+    register_vjp(_op)(_quantile_rule(_op, _nan))
 
 
 # --------------------------------------------------------------------------------------------
@@ -810,7 +844,7 @@ def _seg_weights(data, out, reduce, lengths, offsets, axis, initial, linear):
     raise RuleError(f"segment_reduce: unknown reduction {reduce!r}")
 
 
-@builtin(torch.segment_reduce)
+@register_vjp(torch.segment_reduce)
 class SegmentReduce:
     """segment_reduce(data, reduce, lengths= / offsets=, axis, unsafe, initial)
     (derivatives.yaml `segment_reduce`: _segment_reduce_backward): d_data = w * d[segment]
@@ -973,7 +1007,7 @@ def _cov_jvp(x, correction, fweights, aweights, out, tx, ta):
     return t
 
 
-@builtin(torch.cov)
+@register_vjp(torch.cov)
 class Cov:
     """cov(x, correction, fweights, aweights) = Xc diag(w) Xc^T / N with Xc the weighted-mean
     centred observations, w = fweights * aweights, N = sum(w) - correction * sum(w * aweights)
@@ -1008,7 +1042,7 @@ class Cov:
                      "aweights": torch.rand(6, dtype=dtype) + 0.5, "correction": 2}
 
 
-@builtin(torch.corrcoef)
+@register_vjp(torch.corrcoef)
 class Corrcoef:
     """corrcoef(x) = clip(C / (s s^T), -1, 1), C = cov(x), s = sqrt(diag C): with G masked
     where the clip is active (autograd's clamp), d_C = G / (s s^T) + diag(d_s / (2 s)),

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._base import builtin, randn, _error, _excl_cumprod, _index_back, _meta, _value_d
-from .registry import add_rule
+from ._base import randn, _error, _excl_cumprod, _index_back, _meta, _value_d
+from .registry import register_vjp
 
 
 def _flipsum(d: Any, dim: int) -> Any:
@@ -37,7 +37,7 @@ def _flipsum(d: Any, dim: int) -> Any:
     return torch.flip(torch.cumsum(torch.flip(d, [dim]), dim), [dim])
 
 
-@builtin(torch.cumsum)
+@register_vjp(torch.cumsum)
 class Cumsum:
     """cumsum(x, dim): d_x = reverse cumsum of d along dim (derivatives.yaml `cumsum`:
     cumsum_backward)."""
@@ -64,7 +64,7 @@ class Cumsum:
         yield (randn(dtype=dtype), 0), {}
 
 
-@builtin(torch.cumprod)
+@register_vjp(torch.cumprod)
 class Cumprod:
     """cumprod(x, dim): d_x_k = sum_{i >= k} d_i prod_{j <= i, j != k} x_j, formed as
     (exclusive prefix product)_k * sum_i d_i prod_{k < j <= i} x_j with an (n, n) masked cumprod
@@ -115,7 +115,7 @@ class Cumprod:
         yield (z, 0), {}
 
 
-@builtin(torch.logcumsumexp)
+@register_vjp(torch.logcumsumexp)
 class LogCumSumExp:
     """logcumsumexp(x, dim): d_x_k = sum_{i >= k} d_i exp(x_k - out_i), formed with an (n, n)
     mask (exponents <= 0, so stable; derivatives.yaml `logcumsumexp`:
@@ -155,32 +155,31 @@ class LogCumSumExp:
         yield (randn(3, 4, dtype=dtype), 0), {}
 
 
-class CumMaxMin:
-    """cummax/cummin(x, dim) -> (values, indices): d_x = zeros.scatter_add(dim, indices,
-    d_values) (derivatives.yaml `cummax`/`cummin`: cummaxmin_backward)."""
+def _cum_max_min(op: Any) -> type:
+    class CumMaxMin:
+        """cummax/cummin(x, dim) -> (values, indices): d_x = zeros.scatter_add(dim, indices,
+        d_values) (derivatives.yaml `cummax`/`cummin`: cummaxmin_backward)."""
 
-    def bwd(aux, d):
-        x, dim, idx = aux
-        d = _value_d(d)
-        if d is None:
-            return None, None
-        return _index_back(x, dim, idx, d), None
+        def fwd(input, dim):
+            out = op(input, dim)
+            return out, (input, dim, out[1])
+
+        def bwd(aux, d):
+            x, dim, idx = aux
+            d = _value_d(d)
+            if d is None:
+                return None, None
+            return _index_back(x, dim, idx, d), None
+
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype), 1), {}
+            yield (randn(3, 4, dtype=dtype), 0), {}
+
+    return CumMaxMin
 
 
-def _cum_fwd(op):
-    def fwd(input, dim):
-        out = op(input, dim)
-        return out, (input, dim, out[1])
-    return fwd
-
-
-def _cum_samples(dtype):
-    yield (randn(3, 4, dtype=dtype), 1), {}
-    yield (randn(3, 4, dtype=dtype), 0), {}
-
-for _op in (torch.cummax, torch.cummin):
-    add_rule(_op, _cum_fwd(_op), CumMaxMin.bwd, samples=_cum_samples,
-             source=CumMaxMin.__doc__, builtin=True)
+register_vjp(torch.cummax)(_cum_max_min(torch.cummax))
+register_vjp(torch.cummin)(_cum_max_min(torch.cummin))
 
 
 def _trap_grads(y: Any, x: Any, dx: Any, dim: int, u: Any) -> tuple[Any, Any]:
@@ -211,42 +210,45 @@ def _trap_grads(y: Any, x: Any, dx: Any, dim: int, u: Any) -> tuple[Any, Any]:
     return d_y, d_x
 
 
-def _trap_rule(op: Any, name: str, cumulative: bool) -> None:
-    def fwd(y, x=None, *, dx=None, dim=-1):
-        if x is not None:
-            out = op(y, x, dim=dim)
-        elif dx is not None:
-            out = op(y, dx=dx, dim=dim)
-        else:
-            out = op(y, dim=dim)
-        return out, (y, x, dx, dim)
+def _trap_rule(op: Any, name: str, cumulative: bool) -> type:
+    class Trapezoid:
+        source = (f"{name}(y, x or dx, dim): linear in y with weights s_i/2 on y_i and "
+                  "y_{i+1} (s = dx or diff(x)); d_x from the transpose of diff "
+                  f"(derivatives.yaml: composite of `diff`, `mul`, `sum`"
+                  f"{', `cumsum`' if cumulative else ''})")
 
-    def bwd(aux, d):
-        y, x, dx, dim = aux
-        dim = dim % y.dim()
-        u = torch.flip(torch.cumsum(torch.flip(d, [dim]), dim), [dim]) if cumulative \
-            else torch.unsqueeze(d, dim)
-        return _trap_grads(y, x, dx, dim, u)
+        def fwd(y, x=None, *, dx=None, dim=-1):
+            if x is not None:
+                out = op(y, x, dim=dim)
+            elif dx is not None:
+                out = op(y, dx=dx, dim=dim)
+            else:
+                out = op(y, dim=dim)
+            return out, (y, x, dx, dim)
 
-    def samples(dtype):
-        yield (randn(3, 5, dtype=dtype),), {}
-        yield (randn(3, 5, dtype=dtype), randn(5, dtype=dtype)), {}
-        yield (randn(3, 5, dtype=dtype), randn(3, 5, dtype=dtype)), {"dim": 0}
-        yield (randn(3, 5, dtype=dtype),), {"dx": 0.5}
+        def bwd(aux, d):
+            y, x, dx, dim = aux
+            dim = dim % y.dim()
+            u = torch.flip(torch.cumsum(torch.flip(d, [dim]), dim), [dim]) if cumulative \
+                else torch.unsqueeze(d, dim)
+            return _trap_grads(y, x, dx, dim, u)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}(y, x or dx, dim): linear in y with weights s_i/2 on y_i and "
-                    "y_{i+1} (s = dx or diff(x)); d_x from the transpose of diff "
-                    f"(derivatives.yaml: composite of `diff`, `mul`, `sum`"
-                    f"{', `cumsum`' if cumulative else ''})")
+        def samples(dtype):
+            yield (randn(3, 5, dtype=dtype),), {}
+            yield (randn(3, 5, dtype=dtype), randn(5, dtype=dtype)), {}
+            yield (randn(3, 5, dtype=dtype), randn(3, 5, dtype=dtype)), {"dim": 0}
+            yield (randn(3, 5, dtype=dtype),), {"dx": 0.5}
 
-
-_trap_rule(torch.trapezoid, "trapezoid", False)
-_trap_rule(torch.trapz, "trapz", False)
-_trap_rule(torch.cumulative_trapezoid, "cumulative_trapezoid", True)
+    return Trapezoid
 
 
-@builtin(torch.diff)
+register_vjp(torch.trapezoid)(_trap_rule(torch.trapezoid, "trapezoid", False))
+register_vjp(torch.trapz)(_trap_rule(torch.trapz, "trapz", False))
+register_vjp(torch.cumulative_trapezoid)(_trap_rule(torch.cumulative_trapezoid,
+                                                    "cumulative_trapezoid", True))
+
+
+@register_vjp(torch.diff)
 class Diff:
     """diff(x, n, dim, prepend, append): n forward differences of cat(prepend, x, append);
     each step's transpose is d_y = cat(0, g) - cat(g, 0) along dim; the result is split
@@ -411,7 +413,7 @@ def _steps(c: Any) -> tuple[Any, Any]:
     return 1.0 / h, 1.0 / (h[:-1] + h[1:])
 
 
-@builtin(torch.gradient)
+@register_vjp(torch.gradient)
 class Gradient:
     """gradient(x, spacing, dim, edge_order) (torch.gradient): per dim a three-point stencil
     (central inside, one-sided of order 1 or 2 at the ends; nonuniform-grid weights of

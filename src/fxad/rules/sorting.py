@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ._base import builtin, randn, _index_back, _value_d
+from ._base import randn, _index_back, _value_d
+from .registry import register_vjp
 
 
-@builtin(torch.sort)
+@register_vjp(torch.sort)
 class Sort:
     """sort(x, dim) -> (values, indices): d_x = zeros.scatter_add(dim, indices, d_values)
     (derivatives.yaml `sort.stable`: value_selecting_reduction_backward)."""
@@ -32,7 +33,7 @@ class Sort:
         yield (randn(3, 4, dtype=dtype), 0, True), {}
 
 
-@builtin(torch.msort)
+@register_vjp(torch.msort)
 class Msort:
     """msort(x) = sort(x, 0).values: d_x = zeros.scatter_add(0, indices, d)
     (derivatives.yaml `sort`)."""
@@ -49,7 +50,7 @@ class Msort:
         yield (randn(3, 4, dtype=dtype),), {}
 
 
-@builtin(torch.topk)
+@register_vjp(torch.topk)
 class Topk:
     """topk(x, k, dim) -> (values, indices): d_x = zeros.scatter_add(dim, indices, d_values)
     (derivatives.yaml `topk`: value_selecting_reduction_backward)."""

@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 
-from ._base import builtin, randn, uniform, _error, _meta
-from .registry import add_rule
+from ._base import randn, uniform, _error, _meta
+from .registry import register_vjp
 
 
-@builtin(torch.reshape)
+@register_vjp(torch.reshape)
 class Reshape:
     """reshape(x, shape): d_x = reshape(d, x.shape) (derivatives.yaml `view`)."""
 
@@ -67,7 +67,7 @@ class Reshape:
         yield (randn(3, 4, dtype=dtype), (-1,)), {}
 
 
-@builtin(torch.flatten)
+@register_vjp(torch.flatten)
 class Flatten:
     """flatten(x, start, end): d_x = reshape(d, x.shape) (derivatives.yaml `view`)."""
 
@@ -85,7 +85,7 @@ class Flatten:
         yield (randn(2, 3, 4, dtype=dtype), 1), {}
 
 
-@builtin(torch.squeeze)
+@register_vjp(torch.squeeze)
 class Squeeze:
     """squeeze(x, dim): d_x = reshape(d, x.shape) (derivatives.yaml `squeeze.dim`)."""
 
@@ -107,7 +107,7 @@ class Squeeze:
         yield (randn(3, 1, 4, dtype=dtype), 1), {}
 
 
-@builtin(torch.unsqueeze)
+@register_vjp(torch.unsqueeze)
 class Unsqueeze:
     """unsqueeze(x, dim): d_x = squeeze(d, dim) (derivatives.yaml `unsqueeze`)."""
 
@@ -125,7 +125,7 @@ class Unsqueeze:
         yield (randn(3, 4, dtype=dtype), -1), {}
 
 
-@builtin(torch.permute)
+@register_vjp(torch.permute)
 class Permute:
     """permute(x, dims): d_x = permute(d, inverse(dims)) (derivatives.yaml `permute`)."""
 
@@ -146,7 +146,7 @@ class Permute:
         yield (randn(2, 3, 4, dtype=dtype), (2, 0, 1)), {}
 
 
-@builtin(torch.transpose)
+@register_vjp(torch.transpose)
 class Transpose:
     """transpose(x, a, b): d_x = transpose(d, a, b) (derivatives.yaml `transpose.int`)."""
 
@@ -163,7 +163,7 @@ class Transpose:
         yield (randn(2, 3, 4, dtype=dtype), 0, 2), {}
 
 
-@builtin(torch.t)
+@register_vjp(torch.t)
 class T:
     """t(x): d_x = t(d) (derivatives.yaml `t`)."""
 
@@ -180,7 +180,7 @@ class T:
         yield (randn(3, 4, dtype=dtype),), {}
 
 
-@builtin(torch.Tensor.expand)
+@register_vjp(torch.Tensor.expand)
 class Expand:
     """x.expand(shape): d_x = d summed over the expanded dims (done by the engine;
     derivatives.yaml `expand`: at::sum_to)."""
@@ -198,7 +198,7 @@ class Expand:
         yield (randn(3, 1, dtype=dtype), (2, 3, 4)), {}
 
 
-@builtin(torch.Tensor.sum_to_size)
+@register_vjp(torch.Tensor.sum_to_size)
 class SumToSize:
     """x.sum_to_size(shape): d_x = d expanded back to x.shape (done by the engine)."""
 
@@ -215,7 +215,7 @@ class SumToSize:
         yield (randn(2, 3, 4, dtype=dtype), (3, 1)), {}
 
 
-@builtin(torch.Tensor.repeat)
+@register_vjp(torch.Tensor.repeat)
 class Repeat:
     """x.repeat(reps): d_x = d folded into (rep, size) pairs and summed over the reps
     (derivatives.yaml `repeat`: repeat_backward)."""
@@ -244,7 +244,7 @@ class Repeat:
         yield (randn(2, 3, dtype=dtype), (2, 1, 2)), {}
 
 
-@builtin(torch.flip)
+@register_vjp(torch.flip)
 class Flip:
     """flip(x, dims): d_x = flip(d, dims) (derivatives.yaml `flip`)."""
 
@@ -261,7 +261,7 @@ class Flip:
         yield (randn(3, 4, dtype=dtype), (0, 1)), {}
 
 
-@builtin(torch.movedim)
+@register_vjp(torch.movedim)
 class Movedim:
     """movedim(x, src, dst): d_x = movedim(d, dst, src) (derivatives.yaml `movedim`)."""
 
@@ -278,31 +278,35 @@ class Movedim:
         yield (randn(2, 3, 4, dtype=dtype), 0, -1), {}
 
 
-def _triangular(op: Any) -> None:
+def _triangular(op: Any) -> type:
 
-    def fwd(input, diagonal=0):
-        return op(input, diagonal), diagonal
+    class Triangular:
+        source = (f"{op.__name__}(x, k): the same mask applied to d (derivatives.yaml "
+                  f"`{op.__name__}`)")
 
-    def bwd(diagonal, d):
-        return (op(d, diagonal),)
+        def fwd(input, diagonal=0):
+            return op(input, diagonal), diagonal
 
-    def jvp(primals, tangents):
-        return op(*primals), op(tangents[0], primals[1])
+        def bwd(diagonal, d):
+            return (op(d, diagonal),)
 
-    def samples(dtype):
-        yield (randn(4, 4, dtype=dtype),), {}
-        yield (randn(2, 3, 4, dtype=dtype), 1), {}
+        def jvp(primals, tangents):
+            return op(*primals), op(tangents[0], primals[1])
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
-             source=f"{op.__name__}(x, k): the same mask applied to d (derivatives.yaml "
-                    f"`{op.__name__}`)")
+        def samples(dtype):
+            yield (randn(4, 4, dtype=dtype),), {}
+            yield (randn(2, 3, 4, dtype=dtype), 1), {}
 
-
-_triangular(torch.tril)
-_triangular(torch.triu)
+    return Triangular
 
 
-@builtin(torch.cat, torch.concat, torch.concatenate)
+register_vjp(torch.tril)(_triangular(torch.tril))
+register_vjp(torch.triu)(_triangular(torch.triu))
+
+
+@register_vjp(torch.cat)
+@register_vjp(torch.concat)
+@register_vjp(torch.concatenate)
 class Cat:
     """cat(xs, dim): d_xs = split(d, sizes, dim) (derivatives.yaml `cat`).  A legacy empty
     1-D operand (``torch.tensor([])`` beside tensors of more dimensions, as transformers'
@@ -330,7 +334,7 @@ class Cat:
         yield ([torch.tensor([], dtype=dtype), randn(2, 3, dtype=dtype)], -2), {}
 
 
-@builtin(torch.stack)
+@register_vjp(torch.stack)
 class Stack:
     """stack(xs, dim): d_xs = unbind(d, dim) (derivatives.yaml `stack`)."""
 
@@ -363,7 +367,7 @@ def _joined(out: Any, d: tuple, dim: int, join: Any) -> Any:
     return join(parts, dim)
 
 
-@builtin(torch.split)
+@register_vjp(torch.split)
 class Split:
     """split(x, sizes, dim): d_x = cat of the pieces' cotangents, zeros for unused pieces
     (derivatives.yaml `split.Tensor`: split_backward)."""
@@ -384,7 +388,7 @@ class Split:
         yield (randn(5, 3, dtype=dtype), [1, 2]), {"dim": 1}
 
 
-@builtin(torch.chunk)
+@register_vjp(torch.chunk)
 class Chunk:
     """chunk(x, n, dim): as split (derivatives.yaml `chunk` via split)."""
 
@@ -404,7 +408,7 @@ class Chunk:
         yield (randn(4, 5, dtype=dtype), 2, 1), {}
 
 
-@builtin(torch.unbind)
+@register_vjp(torch.unbind)
 class Unbind:
     """unbind(x, dim): d_x = stack of the slices' cotangents (derivatives.yaml `unbind`)."""
 
@@ -426,53 +430,58 @@ class Unbind:
 
 # --- identities and casts -------------------------------------------------------------------
 
-def _identity(op: Any, call: Any) -> None:
+def _identity(op: Any, call: Any) -> type:
 
-    def fwd(self, *args, **kwargs):
-        return call(self, *args, **kwargs), None
+    class Identity:
+        source = ("identity up to a cast or copy: d_x = d cast back to x's dtype "
+                  "(derivatives.yaml `_to_copy`, `clone`)")
 
-    def bwd(aux, d):
-        return (d,)
+        def fwd(self, *args, **kwargs):
+            return call(self, *args, **kwargs), None
 
-    def jvp(primals, tangents):  # primals: (self, *args, kwargs)
-        x, *args, kwargs = primals
-        return call(x, *args, **kwargs), call(tangents[0], *args, **kwargs)
+        def bwd(aux, d):
+            return (d,)
 
-    def samples(dtype):
-        yield (randn(3, 4, dtype=dtype),), {}
+        def jvp(primals, tangents):  # primals: (self, *args, kwargs)
+            x, *args, kwargs = primals
+            return call(x, *args, **kwargs), call(tangents[0], *args, **kwargs)
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
-             source="identity up to a cast or copy: d_x = d cast back to x's dtype "
-                    "(derivatives.yaml `_to_copy`, `clone`)")
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype),), {}
 
-
-_identity(torch.Tensor.to, lambda x, *a, **k: x.to(*a, **k))
-_identity(torch.Tensor.contiguous, lambda x, *a, **k: x.contiguous(*a, **k))
-_identity(torch.Tensor.clone, lambda x, *a, **k: x.clone(*a, **k))
-_identity(torch.clone, lambda x, *a, **k: torch.clone(x, *a, **k))
+    return Identity
 
 
-def _zero_derivative(op: Any) -> None:
+for _op, _call in ((torch.Tensor.to, lambda x, *a, **k: x.to(*a, **k)),
+                   (torch.Tensor.contiguous, lambda x, *a, **k: x.contiguous(*a, **k)),
+                   (torch.Tensor.clone, lambda x, *a, **k: x.clone(*a, **k)),
+                   (torch.clone, lambda x, *a, **k: torch.clone(x, *a, **k))):
+    register_vjp(_op)(_identity(_op, _call))
+
+
+def _zero_derivative(op: Any) -> type:
     """Ops whose value does not depend differentiably on their tensor inputs."""
 
-    def fwd(*args, **kwargs):
-        return op(*args, **kwargs), None
+    class ZeroDerivative:
+        source = (f"{getattr(op, '__name__', op)} has zero derivative (piecewise constant or "
+                  "a new tensor built from shape only)")
 
-    def bwd(aux, d):
-        return ()
+        def fwd(*args, **kwargs):
+            return op(*args, **kwargs), None
 
-    def jvp(primals, tangents):  # primals: (*args, kwargs)
-        return op(*primals[:-1], **primals[-1]), None
+        def bwd(aux, d):
+            return ()
 
-    add_rule(op, fwd, bwd, jvp=jvp, builtin=True,
-             source=f"{getattr(op, '__name__', op)} has zero derivative (piecewise constant or "
-                    "a new tensor built from shape only)")
+        def jvp(primals, tangents):  # primals: (*args, kwargs)
+            return op(*primals[:-1], **primals[-1]), None
+
+    return ZeroDerivative
 
 
 for _op in (torch.detach, torch.Tensor.detach, torch.zeros_like, torch.ones_like,
             torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
             torch.floor, torch.ceil, torch.round, torch.trunc):
-    _zero_derivative(_op)
+    register_vjp(_op)(_zero_derivative(_op))
 
 
 def _make_cast(method: str, complex_out: bool) -> None:
@@ -495,7 +504,7 @@ def _make_cast(method: str, complex_out: bool) -> None:
                 return  # single/low precision (finite differences fail): the OpInfo sweep
             yield (uniform((3, 4), -2.0, 2.0, dtype),), {}
 
-    builtin(getattr(torch.Tensor, method))(Cast)
+    register_vjp(getattr(torch.Tensor, method))(Cast)
 
 
 for _m in ("float", "double", "half", "bfloat16"):
@@ -509,7 +518,7 @@ def _pieces(out: Any, d: Any) -> list:
     return [c if c is not None else torch.zeros_like(out[i]) for i, c in enumerate(d)]
 
 
-@builtin(torch.narrow)
+@register_vjp(torch.narrow)
 class Narrow:
     """narrow(x, dim, start, length): d_x = slice_scatter(zeros, d, dim, start, start + length)
     (derivatives.yaml `narrow` via `slice`: slice_backward).  A 0-d tensor ``start`` (read at
@@ -540,7 +549,7 @@ class Narrow:
         yield (randn(4, 5, dtype=dtype), -1, torch.tensor(-3), 2), {}
 
 
-@builtin(torch.narrow_copy)
+@register_vjp(torch.narrow_copy)
 class NarrowCopy:
     """narrow_copy(x, dim, start, length): d_x = slice_scatter(zeros, d, dim, start,
     start + length) (derivatives.yaml `narrow_copy`)."""
@@ -555,7 +564,7 @@ class NarrowCopy:
         yield (randn(4, 5, dtype=dtype), 1, 1, 3), {}
 
 
-@builtin(torch.select)
+@register_vjp(torch.select)
 class Select:
     """select(x, dim, i): d_x = select_scatter(zeros, d, dim, i) (derivatives.yaml
     `select.int`: select_backward)."""
@@ -577,41 +586,45 @@ class Select:
         yield (randn(4, 5, dtype=dtype), 0, -1), {}
 
 
-def _diagonal_rule(op: Any, kw_only: bool, defaults: tuple, name: str) -> None:
+def _diagonal_rule(op: Any, kw_only: bool, defaults: tuple, name: str) -> type:
     o0, a0, b0 = defaults
 
-    def bwd(aux, d):
-        x, offset, dim1, dim2 = aux
-        return (torch.diagonal_scatter(torch.zeros_like(x), d, offset, dim1, dim2),)
+    class Diagonal:
+        source = (f"{name}(x, offset, dim1, dim2): d_x = diagonal_scatter(zeros, d, offset, "
+                  "dim1, dim2) (derivatives.yaml `diagonal`: diagonal_backward)")
 
-    if kw_only:
-        def fwd(A, *, offset=o0, dim1=a0, dim2=b0):
-            return op(A, offset=offset, dim1=dim1, dim2=dim2), (A, offset, dim1, dim2)
-    else:
-        def fwd(input, offset=o0, dim1=a0, dim2=b0):
-            return op(input, offset, dim1, dim2), (input, offset, dim1, dim2)
+        if kw_only:
+            def fwd(A, *, offset=o0, dim1=a0, dim2=b0):
+                return op(A, offset=offset, dim1=dim1, dim2=dim2), (A, offset, dim1, dim2)
+        else:
+            def fwd(input, offset=o0, dim1=a0, dim2=b0):
+                return op(input, offset, dim1, dim2), (input, offset, dim1, dim2)
 
-    def jvp(primals, tangents):
-        x, offset, dim1, dim2 = primals
-        t = tangents[0]
-        return (torch.diagonal(x, offset, dim1, dim2),
-                None if t is None else torch.diagonal(t, offset, dim1, dim2))
+        def bwd(aux, d):
+            x, offset, dim1, dim2 = aux
+            return (torch.diagonal_scatter(torch.zeros_like(x), d, offset, dim1, dim2),)
 
-    def samples(dtype):
-        yield (randn(4, 5, dtype=dtype),), {}
-        yield (randn(2, 4, 5, dtype=dtype),), {"offset": -1, "dim1": 1, "dim2": 2}
+        def jvp(primals, tangents):
+            x, offset, dim1, dim2 = primals
+            t = tangents[0]
+            return (torch.diagonal(x, offset, dim1, dim2),
+                    None if t is None else torch.diagonal(t, offset, dim1, dim2))
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
-             source=f"{name}(x, offset, dim1, dim2): d_x = diagonal_scatter(zeros, d, offset, "
-                    "dim1, dim2) (derivatives.yaml `diagonal`: diagonal_backward)")
+        def samples(dtype):
+            yield (randn(4, 5, dtype=dtype),), {}
+            yield (randn(2, 4, 5, dtype=dtype),), {"offset": -1, "dim1": 1, "dim2": 2}
 
-
-_diagonal_rule(torch.diagonal, False, (0, 0, 1), "diagonal")
-_diagonal_rule(torch.diagonal_copy, False, (0, 0, 1), "diagonal_copy")
-_diagonal_rule(torch.linalg.diagonal, True, (0, -2, -1), "linalg.diagonal")
+    return Diagonal
 
 
-@builtin(torch.diag_embed)
+for _op, _kw_only, _defaults, _name in (
+        (torch.diagonal, False, (0, 0, 1), "diagonal"),
+        (torch.diagonal_copy, False, (0, 0, 1), "diagonal_copy"),
+        (torch.linalg.diagonal, True, (0, -2, -1), "linalg.diagonal")):
+    register_vjp(_op)(_diagonal_rule(_op, _kw_only, _defaults, _name))
+
+
+@register_vjp(torch.diag_embed)
 class DiagEmbed:
     """diag_embed(x, offset, dim1, dim2): d_x = diagonal(d, offset, dim1, dim2)
     (derivatives.yaml `diag_embed`)."""
@@ -627,7 +640,7 @@ class DiagEmbed:
         yield (randn(2, 3, dtype=dtype), 1, 0, 2), {}
 
 
-@builtin(torch.diag)
+@register_vjp(torch.diag)
 class Diag:
     """diag(x, k): a 1-d x is embedded (d_x = diagonal(d, k)); a 2-d x has its diagonal read
     (d_x = diagonal_scatter(zeros, d, k)) (derivatives.yaml `diag` via `diag_embed`/
@@ -648,7 +661,7 @@ class Diag:
         yield (randn(4, 3, dtype=dtype), -1), {}
 
 
-@builtin(torch.diagflat)
+@register_vjp(torch.diagflat)
 class Diagflat:
     """diagflat(x, k) = diag(x.flatten(), k): d_x = diagonal(d, k) reshaped to x
     (derivatives.yaml via `diag_embed`)."""
@@ -664,7 +677,7 @@ class Diagflat:
         yield (randn(2, 3, dtype=dtype), 1), {}
 
 
-@builtin(torch.roll)
+@register_vjp(torch.roll)
 class Roll:
     """roll(x, shifts, dims): d_x = roll(d, -shifts, dims) (derivatives.yaml `roll`)."""
 
@@ -681,7 +694,7 @@ class Roll:
         yield (randn(3, 4, dtype=dtype), (1, -3), (0, 1)), {}
 
 
-@builtin(torch.rot90)
+@register_vjp(torch.rot90)
 class Rot90:
     """rot90(x, k, dims): d_x = rot90(d, -k, dims) (derivatives.yaml `rot90`)."""
 
@@ -697,56 +710,64 @@ class Rot90:
         yield (randn(2, 3, 4, dtype=dtype), 3, (2, 0)), {}
 
 
-def _flip_rule(op: Any, dim: int, name: str) -> None:
-    def fwd(input):
-        return op(input), None
+def _flip_rule(op: Any, dim: int, name: str) -> type:
+    class Flip:
+        source = (f"{name}(x) = flip(x, [{dim}]), its own inverse: d_x = {name}(d) "
+                  "(derivatives.yaml `flip`)")
 
-    def bwd(aux, d):
-        return (op(d),)
+        def fwd(input):
+            return op(input), None
 
-    def samples(dtype):
-        yield (randn(3, 4, dtype=dtype),), {}
+        def bwd(aux, d):
+            return (op(d),)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}(x) = flip(x, [{dim}]), its own inverse: d_x = {name}(d) "
-                    "(derivatives.yaml `flip`)")
+        def samples(dtype):
+            yield (randn(3, 4, dtype=dtype),), {}
 
-
-_flip_rule(torch.fliplr, 1, "fliplr")
-_flip_rule(torch.flipud, 0, "flipud")
+    return Flip
 
 
-def _reshape_back(op: Any, fwd: Any, name: str, samples: Any) -> None:
+register_vjp(torch.fliplr)(_flip_rule(torch.fliplr, 1, "fliplr"))
+register_vjp(torch.flipud)(_flip_rule(torch.flipud, 0, "flipud"))
+
+
+def _reshape_back(op: Any, forward: Any, name: str, sampler: Any) -> type:
     """An op that only rearranges elements in row-major order: d_x = d.reshape(x.shape)."""
 
-    def bwd(aux, d):
-        return (torch.reshape(d, aux),)
+    class ReshapeBack:
+        source = (f"{name}: a reshape; d_x = reshape(d, x.shape) (derivatives.yaml "
+                  "`view`/`_reshape_alias`)")
+        fwd = forward
+        samples = sampler
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}: a reshape; d_x = reshape(d, x.shape) (derivatives.yaml "
-                    "`view`/`_reshape_alias`)")
+        def bwd(aux, d):
+            return (torch.reshape(d, aux),)
 
-
-_reshape_back(torch.unflatten,
-              lambda input, dim, sizes: (torch.unflatten(input, dim, sizes), tuple(input.shape)),
-              "unflatten", lambda dt: iter([((randn(3, 4, dtype=dt), 1, (2, 2)), {})]))
-_reshape_back(torch.ravel, lambda input: (torch.ravel(input), tuple(input.shape)),
-              "ravel", lambda dt: iter([((randn(3, 4, dtype=dt),), {})]))
-_reshape_back(torch.view_copy,
-              lambda input, size: (torch.view_copy(input, size), tuple(input.shape)),
-              "view_copy", lambda dt: iter([((randn(3, 4, dtype=dt), (2, 6)), {})]))
-_reshape_back(torch.squeeze_copy,
-              lambda input, dim=None: (torch.squeeze_copy(input) if dim is None else
-                                       torch.squeeze_copy(input, dim), tuple(input.shape)),
-              "squeeze_copy", lambda dt: iter([((randn(3, 1, 4, dtype=dt),), {})]))
-_reshape_back(torch.unsqueeze_copy,
-              lambda input, dim: (torch.unsqueeze_copy(input, dim), tuple(input.shape)),
-              "unsqueeze_copy", lambda dt: iter([((randn(3, 4, dtype=dt), 1), {})]))
-_reshape_back(torch.alias_copy, lambda input: (torch.alias_copy(input), tuple(input.shape)),
-              "alias_copy", lambda dt: iter([((randn(3, 4, dtype=dt),), {})]))
+    return ReshapeBack
 
 
-@builtin(torch.permute_copy)
+for _op, _fwd, _name, _samples in (
+        (torch.unflatten,
+         lambda input, dim, sizes: (torch.unflatten(input, dim, sizes), tuple(input.shape)),
+         "unflatten", lambda dt: iter([((randn(3, 4, dtype=dt), 1, (2, 2)), {})])),
+        (torch.ravel, lambda input: (torch.ravel(input), tuple(input.shape)),
+         "ravel", lambda dt: iter([((randn(3, 4, dtype=dt),), {})])),
+        (torch.view_copy,
+         lambda input, size: (torch.view_copy(input, size), tuple(input.shape)),
+         "view_copy", lambda dt: iter([((randn(3, 4, dtype=dt), (2, 6)), {})])),
+        (torch.squeeze_copy,
+         lambda input, dim=None: (torch.squeeze_copy(input) if dim is None else
+                                  torch.squeeze_copy(input, dim), tuple(input.shape)),
+         "squeeze_copy", lambda dt: iter([((randn(3, 1, 4, dtype=dt),), {})])),
+        (torch.unsqueeze_copy,
+         lambda input, dim: (torch.unsqueeze_copy(input, dim), tuple(input.shape)),
+         "unsqueeze_copy", lambda dt: iter([((randn(3, 4, dtype=dt), 1), {})])),
+        (torch.alias_copy, lambda input: (torch.alias_copy(input), tuple(input.shape)),
+         "alias_copy", lambda dt: iter([((randn(3, 4, dtype=dt),), {})]))):
+    register_vjp(_op)(_reshape_back(_op, _fwd, _name, _samples))
+
+
+@register_vjp(torch.permute_copy)
 class PermuteCopy:
     """permute_copy(x, dims): d_x = permute(d, inverse(dims)) (derivatives.yaml `permute`)."""
 
@@ -764,7 +785,7 @@ class PermuteCopy:
         yield (randn(2, 3, 4, dtype=dtype), (2, 0, 1)), {}
 
 
-@builtin(torch.transpose_copy)
+@register_vjp(torch.transpose_copy)
 class TransposeCopy:
     """transpose_copy(x, a, b): d_x = transpose(d, a, b) (derivatives.yaml `transpose`)."""
 
@@ -778,7 +799,7 @@ class TransposeCopy:
         yield (randn(2, 3, 4, dtype=dtype), 0, 2), {}
 
 
-@builtin(torch.t_copy)
+@register_vjp(torch.t_copy)
 class TCopy:
     """t_copy(x): d_x = t(d) (derivatives.yaml `t`)."""
 
@@ -792,7 +813,7 @@ class TCopy:
         yield (randn(3, 4, dtype=dtype),), {}
 
 
-@builtin(torch.expand_copy)
+@register_vjp(torch.expand_copy)
 class ExpandCopy:
     """expand_copy(x, size): d_x = d (summed to x's shape by the engine) (derivatives.yaml
     `expand`)."""
@@ -807,7 +828,7 @@ class ExpandCopy:
         yield (randn(3, 1, dtype=dtype), (2, 3, 4)), {}
 
 
-@builtin(torch.broadcast_to)
+@register_vjp(torch.broadcast_to)
 class BroadcastTo:
     """broadcast_to(x, size): d_x = d (summed to x's shape by the engine) (derivatives.yaml
     `expand`)."""
@@ -827,7 +848,7 @@ class BroadcastTo:
         yield (randn(3, 1, dtype=dtype), (2, 3, 4)), {}
 
 
-@builtin(torch.broadcast_tensors)
+@register_vjp(torch.broadcast_tensors)
 class BroadcastTensors:
     """broadcast_tensors(*xs): d_x_i = d_i (summed to x_i's shape by the engine)
     (derivatives.yaml `expand`)."""
@@ -842,7 +863,7 @@ class BroadcastTensors:
         yield (randn(3, 1, dtype=dtype), randn(4, dtype=dtype)), {}
 
 
-@builtin(torch.tile)
+@register_vjp(torch.tile)
 class Tile:
     """tile(x, reps): with x padded to len(reps) dims and d viewed as (r0, s0, r1, s1, ...),
     d_x = sum of d over the r axes (derivatives.yaml `repeat`: repeat_backward)."""
@@ -865,27 +886,29 @@ class Tile:
 
 # --- stacks and splits ----------------------------------------------------------------------
 
-def _stack_rule(op: Any, name: str, arrange: Any, cat_dim: Any) -> None:
+def _stack_rule(op: Any, name: str, arrange: Any, cat_dim: Any) -> type:
     """``op(tensors) = cat([arrange(x) for x in tensors], cat_dim(tensors))``."""
 
-    def fwd(tensors, *, out=None):
-        shapes = [tuple(x.shape) for x in tensors]
-        return op(tensors), shapes
+    class Stack:
+        source = (f"{name}: a cat of reshaped inputs; d_x_i = the matching split of d, "
+                  "reshaped to x_i (derivatives.yaml `cat`)")
 
-    def bwd(aux, d):
-        shapes = aux
-        arranged = [arrange(s) for s in shapes]
-        dim = cat_dim(arranged)
-        pieces = torch.split(d, [a[dim] for a in arranged], dim)
-        return ([torch.reshape(p, s) for p, s in zip(pieces, shapes)],)
+        def fwd(tensors, *, out=None):
+            shapes = [tuple(x.shape) for x in tensors]
+            return op(tensors), shapes
 
-    def samples(dtype):
-        yield ([randn(3, 2, dtype=dtype), randn(3, 2, dtype=dtype)],), {}
-        yield ([randn(3, dtype=dtype), randn(3, dtype=dtype)],), {}
+        def bwd(aux, d):
+            shapes = aux
+            arranged = [arrange(s) for s in shapes]
+            dim = cat_dim(arranged)
+            pieces = torch.split(d, [a[dim] for a in arranged], dim)
+            return ([torch.reshape(p, s) for p, s in zip(pieces, shapes)],)
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}: a cat of reshaped inputs; d_x_i = the matching split of d, "
-                    "reshaped to x_i (derivatives.yaml `cat`)")
+        def samples(dtype):
+            yield ([randn(3, 2, dtype=dtype), randn(3, 2, dtype=dtype)],), {}
+            yield ([randn(3, dtype=dtype), randn(3, dtype=dtype)],), {}
+
+    return Stack
 
 
 def _at1(s):
@@ -906,21 +929,27 @@ def _col(s):
     return s if len(s) >= 2 else ((s[0] if s else 1), 1)
 
 
-_stack_rule(torch.hstack, "hstack", _at1, lambda a: 0 if len(a[0]) == 1 else 1)
-_stack_rule(torch.vstack, "vstack", _at2, lambda a: 0)
-_stack_rule(torch.row_stack, "row_stack", _at2, lambda a: 0)
-_stack_rule(torch.dstack, "dstack", _at3, lambda a: 2)
-_stack_rule(torch.column_stack, "column_stack", _col, lambda a: 1)
+for _op, _name, _shape, _dim in (
+        (torch.hstack, "hstack", _at1, lambda a: 0 if len(a[0]) == 1 else 1),
+        (torch.vstack, "vstack", _at2, lambda a: 0),
+        (torch.row_stack, "row_stack", _at2, lambda a: 0),
+        (torch.dstack, "dstack", _at3, lambda a: 2),
+        (torch.column_stack, "column_stack", _col, lambda a: 1)):
+    register_vjp(_op)(_stack_rule(_op, _name, _shape, _dim))
 
 
-def _split_rule(op: Any, name: str, dim_of: Any, fwd: Any, samples: Any) -> None:
-    def bwd(aux, d):
-        out, dim = aux
-        return (torch.cat(_pieces(out, d), dim),)
+def _split_rule(op: Any, name: str, dim_of: Any, forward: Any, sampler: Any) -> type:
+    class Split:
+        source = (f"{name}: d_x = cat of the pieces' cotangents (zeros for unused pieces) "
+                  "(derivatives.yaml `split`: split_backward)")
+        fwd = forward
+        samples = sampler
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}: d_x = cat of the pieces' cotangents (zeros for unused pieces) "
-                    "(derivatives.yaml `split`: split_backward)")
+        def bwd(aux, d):
+            out, dim = aux
+            return (torch.cat(_pieces(out, d), dim),)
+
+    return Split
 
 
 def _split_fwd_factory(op, dim_of):
@@ -935,12 +964,11 @@ def _sec_samples(dt):
     yield (randn(4, 6, 2, dtype=dt), [1, 3]), {}
 
 
-_split_rule(torch.hsplit, "hsplit", None,
-            _split_fwd_factory(torch.hsplit, lambda x: 1 if x.dim() > 1 else 0), _sec_samples)
-_split_rule(torch.vsplit, "vsplit", None, _split_fwd_factory(torch.vsplit, lambda x: 0),
-            _sec_samples)
-_split_rule(torch.dsplit, "dsplit", None, _split_fwd_factory(torch.dsplit, lambda x: 2),
-            _sec_samples)
+for _op, _name, _dim_of in ((torch.hsplit, "hsplit", lambda x: 1 if x.dim() > 1 else 0),
+                            (torch.vsplit, "vsplit", lambda x: 0),
+                            (torch.dsplit, "dsplit", lambda x: 2)):
+    register_vjp(_op)(_split_rule(_op, _name, None, _split_fwd_factory(_op, _dim_of),
+                                  _sec_samples))
 
 
 def _sws_fwd(input, split_sizes, dim=0):
@@ -958,15 +986,17 @@ def _uc_fwd(input, chunks, dim=0):
     return out, (out, dim)
 
 
-_split_rule(torch.split_with_sizes, "split_with_sizes", None, _sws_fwd,
-            lambda dt: iter([((randn(5, 3, dtype=dt), [2, 3]), {})]))
-_split_rule(torch.unsafe_split, "unsafe_split", None, _us_fwd,
-            lambda dt: iter([((randn(5, 3, dtype=dt), 2), {})]))
-_split_rule(torch.unsafe_chunk, "unsafe_chunk", None, _uc_fwd,
-            lambda dt: iter([((randn(5, 3, dtype=dt), 2, 1), {})]))
+for _op, _name, _fwd, _samples in (
+        (torch.split_with_sizes, "split_with_sizes", _sws_fwd,
+         lambda dt: iter([((randn(5, 3, dtype=dt), [2, 3]), {})])),
+        (torch.unsafe_split, "unsafe_split", _us_fwd,
+         lambda dt: iter([((randn(5, 3, dtype=dt), 2), {})])),
+        (torch.unsafe_chunk, "unsafe_chunk", _uc_fwd,
+         lambda dt: iter([((randn(5, 3, dtype=dt), 2, 1), {})]))):
+    register_vjp(_op)(_split_rule(_op, _name, None, _fwd, _samples))
 
 
-@builtin(torch.unbind_copy)
+@register_vjp(torch.unbind_copy)
 class UnbindCopy:
     """unbind_copy(x, dim): d_x = stack of the pieces' cotangents (zeros for unused ones)
     (derivatives.yaml `unbind`: unbind_backward)."""
@@ -983,7 +1013,7 @@ class UnbindCopy:
         yield (randn(3, 4, dtype=dtype), 1), {}
 
 
-@builtin(torch.block_diag)
+@register_vjp(torch.block_diag)
 class BlockDiag:
     """block_diag(*xs): d_x_i = the i-th diagonal block of d (0-d/1-d inputs are 1x1 / 1xn
     blocks) (derivatives.yaml `block_diag`: block_diag_backward)."""
@@ -1004,7 +1034,7 @@ class BlockDiag:
         yield (randn(2, 3, dtype=dtype), randn(4, dtype=dtype), randn(dtype=dtype)), {}
 
 
-@builtin(torch.Tensor.unfold)
+@register_vjp(torch.Tensor.unfold)
 class Unfold:
     """x.unfold(dim, size, step): windows along dim as a new last axis; d_x = index_add of the
     windows' cotangents at their source positions (derivatives.yaml `unfold`:
@@ -1033,7 +1063,7 @@ class Unfold:
         yield (randn(5, 2, dtype=dtype), 0, 2, 1), {}
 
 
-@builtin(torch.unfold_copy)
+@register_vjp(torch.unfold_copy)
 class UnfoldCopy:
     """unfold_copy(x, dim, size, step): as Tensor.unfold (derivatives.yaml `unfold_copy`:
     unfold_backward)."""
@@ -1054,7 +1084,7 @@ class UnfoldCopy:
         yield (randn(3, 7, dtype=dtype), 1, 3, 2), {}
 
 
-@builtin(torch.fill)
+@register_vjp(torch.fill)
 class Fill:
     """fill(x, v): d_x = 0, d_v = sum(d) for a tensor v (derivatives.yaml `fill.Tensor`)."""
 
@@ -1069,30 +1099,32 @@ class Fill:
         yield (randn(3, 4, dtype=dtype), randn(dtype=dtype)), {}
 
 
-def _atleast_rule(op: Any, name: str) -> None:
-    def fwd(*tensors):
-        return op(*tensors), [tuple(t.shape) for t in (
-            tensors[0] if len(tensors) == 1 and isinstance(tensors[0], (list, tuple))
-            else tensors)] + [len(tensors) == 1 and isinstance(tensors[0], (list, tuple))]
+def _atleast_rule(op: Any, name: str) -> type:
+    class AtLeast:
+        source = (f"{name}: reshapes; d_x_i = reshape(d_i, x_i.shape) (derivatives.yaml "
+                  "`view`)")
 
-    def bwd(aux, d):
-        shapes, listed = aux[:-1], aux[-1]
-        ds = list(d) if isinstance(d, (tuple, list)) else [d]
-        cts = [None if c is None else torch.reshape(c, s) for c, s in zip(ds, shapes)]
-        return {"tensors": ([cts] if listed else tuple(cts))}
+        def fwd(*tensors):
+            return op(*tensors), [tuple(t.shape) for t in (
+                tensors[0] if len(tensors) == 1 and isinstance(tensors[0], (list, tuple))
+                else tensors)] + [len(tensors) == 1 and isinstance(tensors[0], (list, tuple))]
 
-    def samples(dtype):
-        yield (randn(3, dtype=dtype),), {}
-        yield (randn(dtype=dtype), randn(2, 3, dtype=dtype)), {}
+        def bwd(aux, d):
+            shapes, listed = aux[:-1], aux[-1]
+            ds = list(d) if isinstance(d, (tuple, list)) else [d]
+            cts = [None if c is None else torch.reshape(c, s) for c, s in zip(ds, shapes)]
+            return {"tensors": ([cts] if listed else tuple(cts))}
 
-    add_rule(op, fwd, bwd, samples=samples, builtin=True,
-             source=f"{name}: reshapes; d_x_i = reshape(d_i, x_i.shape) (derivatives.yaml "
-                    "`view`)")
+        def samples(dtype):
+            yield (randn(3, dtype=dtype),), {}
+            yield (randn(dtype=dtype), randn(2, 3, dtype=dtype)), {}
+
+    return AtLeast
 
 
-_atleast_rule(torch.atleast_1d, "atleast_1d")
-_atleast_rule(torch.atleast_2d, "atleast_2d")
-_atleast_rule(torch.atleast_3d, "atleast_3d")
+register_vjp(torch.atleast_1d)(_atleast_rule(torch.atleast_1d, "atleast_1d"))
+register_vjp(torch.atleast_2d)(_atleast_rule(torch.atleast_2d, "atleast_2d"))
+register_vjp(torch.atleast_3d)(_atleast_rule(torch.atleast_3d, "atleast_3d"))
 
 
 def _swsc_fwd(input, split_sizes, dim=0):
@@ -1100,11 +1132,12 @@ def _swsc_fwd(input, split_sizes, dim=0):
     return out, (out, dim)
 
 
-_split_rule(torch.split_with_sizes_copy, "split_with_sizes_copy", None, _swsc_fwd,
-            lambda dt: iter([((randn(5, 3, dtype=dt), [2, 3]), {})]))
+register_vjp(torch.split_with_sizes_copy)(_split_rule(
+    torch.split_with_sizes_copy, "split_with_sizes_copy", None, _swsc_fwd,
+    lambda dt: iter([((randn(5, 3, dtype=dt), [2, 3]), {})])))
 
 
-@builtin(torch.cartesian_prod)
+@register_vjp(torch.cartesian_prod)
 class CartesianProd:
     """cartesian_prod(*xs) -> (N, k): column i repeats x_i over a meshgrid; d_x_i = the sum of
     d[:, i] viewed as the grid over the other axes (a single input is returned as is)
@@ -1128,7 +1161,7 @@ class CartesianProd:
         yield (randn(3, dtype=dtype), randn(2, dtype=dtype)), {}
 
 
-@builtin(torch.repeat_interleave)
+@register_vjp(torch.repeat_interleave)
 class RepeatInterleave:
     """repeat_interleave(x, repeats, dim): an int repeat views d as (..., n, r, ...) and sums
     the r axis; tensor repeats index_add d back at repeat_interleave(arange(n), repeats);
@@ -1171,7 +1204,7 @@ class RepeatInterleave:
         yield (randn(3, 4, dtype=dtype), 3), {}
 
 
-@builtin(torch.meshgrid)
+@register_vjp(torch.meshgrid)
 class Meshgrid:
     """meshgrid(*xs, indexing): grid i repeats x_i along one axis (axis i for 'ij'; axes 0
     and 1 swapped for 'xy'); d_x_i = sum of d_i over the other axes (derivatives.yaml via
@@ -1256,13 +1289,16 @@ def _offset(x: Any, storage_offset: Any) -> int:
     return _meta(x).storage_offset() if storage_offset is None else int(storage_offset)
 
 
-class _AsStrided:
+_AS_STRIDED_DOC = (
     """as_strided(x, size, stride, storage_offset): d_x = zeros.index_add(0, p, d) with p the
     storage positions read (derivatives.yaml `as_strided`: as_strided_backward, for an input
-    owning its storage contiguously); JVP: take(t, p)."""
+    owning its storage contiguously); JVP: take(t, p).""")
 
-    @classmethod
-    def make(cls, op: Any, name: str) -> None:
+
+def _as_strided_rule(op: Any, name: str) -> type:
+    class AsStrided:
+        source = _AS_STRIDED_DOC.replace("as_strided(", f"{name}(", 1)
+
         def fwd(input, size, stride, storage_offset=None):
             _check_in_bounds(name, input, size, stride, _offset(input, storage_offset))
             _check_owns_storage(name, input)
@@ -1288,9 +1324,9 @@ class _AsStrided:
             p = _positions(size, stride, _offset(x, storage_offset), x.device)
             return out, torch.take(t, p)
 
-        add_rule(op, fwd, bwd, jvp=jvp, samples=_as_strided_samples,
-                 source=(cls.__doc__ or "").replace("as_strided(", f"{name}(", 1),
-                 builtin=True)
+        samples = _as_strided_samples
+
+    return AsStrided
 
 
 def _as_strided_samples(dtype: torch.dtype):
@@ -1305,15 +1341,16 @@ def _as_strided_samples(dtype: torch.dtype):
     yield (randn(dtype=dtype), (1,), (1,)), {}                   # 0-d input
 
 
-_AsStrided.make(torch.as_strided, "torch.as_strided")
-_AsStrided.make(torch.as_strided_copy, "torch.as_strided_copy")
+register_vjp(torch.as_strided)(_as_strided_rule(torch.as_strided, "torch.as_strided"))
+register_vjp(torch.as_strided_copy)(_as_strided_rule(torch.as_strided_copy,
+                                                        "torch.as_strided_copy"))
 
 
 # PyTorch 2.13's own backward for ``input`` (as_strided_scatter_backward) returns ``d`` *at*
 # the strided positions and zeros elsewhere, the complement of the true derivative, so the
 # autograd fallback would be wrong here; this rule is checked against finite differences
 # instead (fxad.tools.coverage._AUTOGRAD_WRONG, tests/test_rules.py).
-@builtin(torch.as_strided_scatter)
+@register_vjp(torch.as_strided_scatter)
 class AsStridedScatter:
     """as_strided_scatter(x, src, size, stride, storage_offset): d_x = d with the strided
     positions p zeroed, d_src = take(d, p) (derivatives.yaml `as_strided_scatter`:

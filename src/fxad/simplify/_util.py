@@ -7,11 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-# ops whose result differs between two identical calls
-RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
-              torch.randn_like, torch.randint_like, torch.bernoulli, torch.multinomial,
-              torch.normal, torch.empty, torch.empty_like,
-              torch.ops.aten.rrelu_with_noise_functional.default}
+from ..rules.registry import is_random_call, kind_of
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -33,44 +29,18 @@ def is_impure(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in RANDOM_OPS:
-        return True
-    if node.op == "call_function" and node.target in _TRAINING_RANDOM:
-        # random only when it draws: training (and, for the dropouts, 0 < p)
-        flag, pos, default = _TRAINING_RANDOM[node.target]
-        if not _kw(node, flag, pos, default):
-            return False
-        return node.target in _RRELU or _kw(node, "p", 1, 0.5) != 0
-    if node.op == "call_function" and node.target in _FRACTIONAL:
-        return _kw(node, "_random_samples", 5, None) is None  # draws its windows
-    return node.op == "call_method" and node.target in ("bernoulli", "uniform_", "normal_",
-                                                        "bernoulli_", "exponential_",
-                                                        "geometric_", "cauchy_",
-                                                        "log_normal_", "random_")
+    """``node`` draws random numbers (its op's kind is ``"random"`` and this call draws:
+    dropout only in training, ...) or reads uninitialized memory (``torch.empty``): it must
+    not be merged with an equal node nor recomputed (see
+    :func:`fxad.rules.registry.is_random_call`)."""
+    return is_random_call(node)
 
 
 def draws_random(node: fx.Node) -> bool:
     """``node`` draws random numbers (:func:`is_random` without uninitialized memory:
     ``torch.empty_like(x)`` is kept apart from equal nodes like a draw, but what a program
     writes into it is not random, e.g. the inverse permutation of ``pack_padded_sequence``)."""
-    return is_random(node) and not (node.op == "call_function"
-                                     and node.target in (torch.empty, torch.empty_like))
-
-
-F = torch.nn.functional
-# ops that draw random numbers in training mode: the flag's name, position and default
-_TRAINING_RANDOM = {
-    F.dropout: ("training", 2, True), F.dropout1d: ("training", 2, True),
-    F.dropout2d: ("training", 2, True), F.dropout3d: ("training", 2, True),
-    F.alpha_dropout: ("training", 2, False), F.feature_alpha_dropout: ("training", 2, False),
-    torch.dropout: ("train", 2, True), torch.feature_dropout: ("train", 2, True),
-    torch.alpha_dropout: ("train", 2, True), torch.feature_alpha_dropout: ("train", 2, True),
-    torch.native_dropout: ("train", 2, True),
-    F.rrelu: ("training", 3, False), torch.rrelu: ("training", 3, False),
-}
-_RRELU = {F.rrelu, torch.rrelu}
-_FRACTIONAL = {F.fractional_max_pool2d, F.fractional_max_pool3d,
-               F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices}
+    return is_random(node) and kind_of(node) != "uninitialized"
 
 
 def _kw(node: fx.Node, name: str, pos: int, default: Any) -> Any:

@@ -51,6 +51,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
+import fxad
+from ..rules import fallback
+from ..rules.dispatch import registered_rule, rule_key
+from ..rules.registry import op_name
+from ..simplify._util import is_random
+
 STATUSES = ("pass", "fallback", "missing", "wrong", "crash", "skip")
 
 # OpInfos whose outputs cannot be compared at all: they return uninitialized memory.  Random
@@ -226,8 +232,6 @@ def seeded(fn: Callable, seed: int) -> Callable:
 def draws_random(fn: Callable, inputs: list) -> bool:
     """Whether ``fn`` at ``inputs`` runs a random op (dropout in training mode, rrelu,
     bernoulli...), judged on fxad's captured graph."""
-    import fxad
-    from ..simplify._util import is_random
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -244,7 +248,6 @@ def check_seeded(fn: Callable, inputs: list, *, seed: int = 0, fd: bool = True,
     tangent of :func:`fxad.jvp` those of eager forward-mode AD (``torch.autograd.forward_ad``;
     ``torch.func.jvp`` is not a reference here: it lays out ``empty_like`` differently for
     strided inputs, so it draws other masks).  Returns the problems found (empty: agreed)."""
-    import fxad
 
     problems: list[str] = []
     call = seeded(fn, seed)
@@ -320,28 +323,20 @@ def check_seeded(fn: Callable, inputs: list, *, seed: int = 0, fd: bool = True,
 
 def _fallback_ops(g: Any) -> set[str]:
     """Names of ops in ``g``'s forward graph whose rule is a fallback (not hand-written)."""
-    try:
-        from ..rules import fallback
-    except ImportError:
-        return set()
-    from ..rules.dispatch import rule_key
     fwd = g.meta.get("fxad_forward")
     if fwd is None:
         return set()
-    from ..rules.complex import select
-    from ..rules.registry import lookup, op_name
     out = set()
     for n in fwd.graph.nodes:
         if n.op in ("call_function", "call_method"):
             key = rule_key(fwd, n)
-            rule = select(key, lookup(key), n)  # complex values: maybe the fallback
+            rule = registered_rule(fwd, n)  # complex values: maybe the fallback
             if rule is not None and rule.source == fallback.FALLBACK_SOURCE:
                 out.add(op_name(key))
     return out
 
 
 def _run_sample(op: Any, sample: Any, dtype: torch.dtype, seed: int) -> _SampleOutcome:
-    import fxad
 
     leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
     slots = [i for i, v in enumerate(leaves) if _is_diff(v)]
@@ -460,7 +455,6 @@ def _check_jvp(fn: Callable, inputs: list, cots: list, grads: Any, out: Any,
     """Forward mode: fxad.jvp with random tangents t, checked through the transpose identity
     <cotangent, J t> = <J^T cotangent, t> against autograd's VJP (works for every op autograd
     can reverse-differentiate, with or without forward-AD support in PyTorch)."""
-    import fxad
 
     gen = torch.Generator().manual_seed(seed + 1)
     tans = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in inputs]

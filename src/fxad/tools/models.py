@@ -35,6 +35,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+import fxad
+
 __all__ = ["Case", "cases", "check_case", "train_case", "time_case", "main"]
 
 D = torch.float64
@@ -229,7 +231,6 @@ def check_case(case: Case, dtype: torch.dtype = D) -> dict:
     """fxad.grad vs torch.autograd: value, every trainable parameter's and every floating
     input's gradient.  Returns ``{"max_err": ..., "lines": ..., "build_s": ...}``; raises
     AssertionError on a mismatch."""
-    import fxad
     model, inputs = _prepared(case, dtype)
     t0 = time.perf_counter()
     g = fxad.grad(model, *inputs)
@@ -261,7 +262,6 @@ def train_case(case: Case, steps: int = 3, dtype: torch.dtype = D) -> float:
     comparison meaningful: Adam divides each gradient by its own magnitude, so on entries
     whose gradient is zero up to rounding (an embedding row no token used) it turns
     1e-17 differences of summation order into steps of the learning rate's size.)"""
-    import fxad
     model, inputs = _prepared(case, dtype, seed=1)
     ref, _ = _prepared(case, dtype, seed=1)
     ref.load_state_dict(model.state_dict())
@@ -288,7 +288,6 @@ def train_case(case: Case, steps: int = 3, dtype: torch.dtype = D) -> float:
 def time_case(case: Case, *, rounds: int = 20, threads: int = 1) -> dict:
     """Median time of one float32 forward+backward step: fxad's generated code (``fxad.grad``
     with parameter gradients) and eager autograd, interleaved."""
-    import fxad
     torch.set_num_threads(threads)
     model, inputs = _prepared(case, torch.float32)
     t0 = time.perf_counter()

@@ -13,6 +13,10 @@ import argparse
 import os
 import sys
 
+import fxad
+from ..rules.fallback import is_fallback
+from ..rules.registry import op_name
+
 
 def _first_line(text: str) -> str:
     line = " ".join(text.strip().split("\n\n")[0].split())
@@ -29,9 +33,6 @@ def rule_file(module: str) -> str:
 
 def rows() -> list[tuple[str, str, str, str, str]]:
     """``(op, kind, jvp, source, file)`` for every registered op, sorted by name."""
-    import fxad
-    from fxad.rules.fallback import is_fallback
-    from fxad.rules.registry import op_name
 
     out = []
     for op, rule in fxad.all_rules().items():

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..api import trace as _trace
 from ..api import vjp as _vjp
-from ..op_kinds import op_kind
+from ..naming import op_kind
 from ..rules import fused
 from ..simplify.layout import channels_last_convolutions
 

@@ -15,6 +15,7 @@ from ..simplify.calls import cast_methods
 from ..simplify.inplace import accumulate_in_place
 from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
 from .capture import _onednn_enabled, _vjp_graph, autocast_state
+from .edited import EditedModule
 
 __all__ = ["compile", "FxadModule"]
 
@@ -237,7 +238,7 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
             policy: str | Policy | None = "save",
             leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
             checkpoint: Checkpoint | bool | None = None,
-            grad_release: str | int | None = None) -> FxadModule:
+            grad_release: str | int | None = None, vjp: Any = None) -> FxadModule | EditedModule:
     """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
 
     >>> m = fxad.compile(model)                       # doctest: +SKIP
@@ -294,7 +295,19 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     Distributed training: ``DDP(fxad.compile(model))``, or ``fully_shard`` on the model's
     blocks and on the model, then ``fxad.compile(model)`` (:mod:`fxad.distributed`);
     ``fxad.compile(DDP(model))`` raises :class:`fxad.InputError`.
+
+    Edited derivative (``vjp=``): the path (or text) of a training split written by
+    ``fxad.eject(model, *inputs, kind="training")`` and edited by hand; the returned
+    :class:`fxad.training.edited.EditedModule` runs its ``forward`` and ``backward``
+    (whatever tensors the edit saves), checks the inputs against the file's guards on every
+    call, and ``report()`` compares its saved set with fxad's own.  The other options do not
+    apply to it.  Check the edit first: ``fxad.check(model, *inputs, vjp=FILE)``.
     """
+    if vjp is not None:
+        em = EditedModule(model, vjp)
+        if example_inputs:
+            em._guard(example_inputs)
+        return em
     _dist.check_compile_target(model)
     m = FxadModule(model, policy=policy, leaf_modules=leaf_modules, channels_last=channels_last,
                    checkpoint=checkpoint, grad_release=grad_release)

@@ -12,6 +12,7 @@ from ..errors import InputError
 from ..residuals import Checkpoint, Policy, joint_graph, partition
 from ..simplify.schedule import defer_widening_output_casts
 from .capture import _autocast_devices, _AutocastOff, _onednn_enabled, _vjp_graph
+from .edited import edited_joint_step
 
 __all__ = ["joint_step", "JOINT_INDUCTOR_OPTIONS", "inductor_available"]
 
@@ -42,7 +43,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                compile: bool | str = True, argnums: Any = (),
                policy: str | Policy | None = "min_memory",
                leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
-               checkpoint: Checkpoint | bool | None = None,
+               checkpoint: Checkpoint | bool | None = None, vjp: Any = None,
                **compile_kwargs: Any) -> Callable:
     """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
     param_grads)`` (as :func:`fxad.grad` returns them: ``param_grads`` a dict by parameter
@@ -107,10 +108,17 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     gradients with :func:`fxad.distributed.all_reduce_grads` (the tests check that this
     equals DDP), or use ``DDP(fxad.compile(model))``.
 
+    ``vjp``: the path (or text) of a training split written by ``fxad.eject(model, *inputs,
+    kind="training")`` and edited by hand: the step runs its ``forward`` and ``backward``
+    (with cotangent 1) instead of fxad's graph, checking the file's guards on every call;
+    ``compile`` as above, the other options do not apply.
+
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
             wrapped in DDP/FSDP or sharded with ``fully_shard``.
     """
+    if vjp is not None:
+        return edited_joint_step(model, vjp, example_inputs, compile, compile_kwargs)
     _dist.check_joint_step_target(model)
     if channels_last is None:
         channels_last = _onednn_enabled()

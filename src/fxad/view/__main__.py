@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import demo_view
+from .browser import open_page
 
 #: the block hovered in the README screenshot: the backward of the MLP's GELU
 HOVER = '.fxv-blk[data-b="{b}"] .fxv-ln'
@@ -45,8 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.out:
             print(f"wrote {html_path} ({html_path.stat().st_size // 1024} KiB)")
         if a.screenshot:
-            from .browser import open_page
-
             shot = Path(a.screenshot)
             graph_shot = shot.with_name(shot.stem + "_graph" + shot.suffix)
             blk = next((b.id for b in v.model.blocks if b.key == a.hover), 0)

@@ -38,7 +38,8 @@ from torch.utils import _pytree as pytree
 from .. import codegen
 from ..errors import InputError, SourceLoc
 from ..memory import nbytes, simulate
-from ..op_kinds import VIEW_OPS, op_kind
+from ..naming import op_kind
+from ..rules.registry import kind_of
 from ..residuals import joint_graph, partition
 from ..simplify._util import resolve
 
@@ -611,7 +612,7 @@ def build(gm: fx.GraphModule, *, policy: Any = None, title: str | None = None) -
     for s in saved_names:
         n = by_name[s]
         while (n.op == "call_function" and n.target is operator.getitem
-               or n.op in ("call_function", "call_method") and op_kind(n) in VIEW_OPS) \
+               or n.op in ("call_function", "call_method") and kind_of(n) == "view") \
                 and n.all_input_nodes:
             n = n.all_input_nodes[0]
         if n.name != s:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from .graph import LAYOUT_NAME, PALETTE, draw
 from .model import Line, ViewModel, fmt_bytes
 
@@ -412,8 +413,6 @@ def _json_script(data: dict) -> str:
 def fragment(model: ViewModel, uid: str | None = None) -> str:
     """The view as one ``<div>`` (with its ``<style>`` and ``<script>``), for a notebook
     cell or to embed in a page."""
-    from .. import __version__
-
     uid = uid or new_uid()
     n_bwd = sum(1 for ln in model.lines if ln.pane == "bwd" and ln.kind in ("op", "param"))
     n_fwd = sum(1 for ln in model.lines if ln.pane == "fwd" and ln.kind in ("op", "param"))

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from .._base import builtin, randn, _add
+from .._base import randn, _add
+from ..registry import register_vjp
 from ._common import _first
 
 
@@ -68,7 +69,7 @@ def _cholesky_jvp(L: Any, t: Any, upper: bool) -> Any:
     return dl.mT if upper else dl
 
 
-@builtin(torch.linalg.cholesky)
+@register_vjp(torch.linalg.cholesky)
 class Cholesky:
     """linalg.cholesky(A) = L: d_A = sym(L^{-T} Phi(L^T d) L^{-1}), Phi = lower triangle with
     halved diagonal (derivatives.yaml `linalg_cholesky_ex`: cholesky_backward)."""
@@ -91,7 +92,7 @@ class Cholesky:
     # symmetrized cotangent; the OpInfo sweep checks it against autograd
 
 
-@builtin(torch.linalg.cholesky_ex)
+@register_vjp(torch.linalg.cholesky_ex)
 class CholeskyEx:
     """linalg.cholesky_ex(A) -> (L, info): as linalg.cholesky (derivatives.yaml
     `linalg_cholesky_ex`)."""
@@ -114,7 +115,7 @@ class CholeskyEx:
         return res, (None if t is None else _cholesky_jvp(res[0], t, upper), None)
 
 
-@builtin(torch.cholesky)
+@register_vjp(torch.cholesky)
 class CholeskyOld:
     """cholesky(A, upper): as linalg.cholesky (derivatives.yaml `cholesky`)."""
 
@@ -133,7 +134,7 @@ class CholeskyOld:
         return L, (None if t is None else _cholesky_jvp(L, t, upper))
 
 
-@builtin(torch.linalg.svdvals)
+@register_vjp(torch.linalg.svdvals)
 class SvdVals:
     """linalg.svdvals(A) = S: d_A = U diag(d) V^H (derivatives.yaml `_linalg_svd` with only
     gS: svd_backward)."""
@@ -150,7 +151,7 @@ class SvdVals:
         yield (randn(2, 4, 3, dtype=dtype),), {}
 
 
-@builtin(torch.linalg.eigvalsh)
+@register_vjp(torch.linalg.eigvalsh)
 class EigvalsH:
     """linalg.eigvalsh(A, UPLO) = L: d_A = V diag(d) V^T with V the eigenvectors
     (derivatives.yaml `_linalg_eigh` with only gL: linalg_eig_backward)."""
@@ -201,7 +202,7 @@ def _eigh_bwd(w: Any, v: Any, gw: Any, gv: Any) -> Any:
     return torch.matmul(torch.matmul(v, inner), v.mT)
 
 
-@builtin(torch.linalg.eigh)
+@register_vjp(torch.linalg.eigh)
 class Eigh:
     """linalg.eigh(A, UPLO) -> (L, V): d_A = V (diag(d_L) + F o skew(V^T d_V)) V^T with
     F_ij = 1 / (L_j - L_i) off the diagonal and skew(K) = (K - K^T) / 2 (symmetric, as
@@ -295,7 +296,7 @@ def _pad_cols(x: Any, full: Any) -> Any:
     return torch.cat([x, torch.zeros_like(full[..., :, k:])], -1)
 
 
-@builtin(torch.linalg.svd)
+@register_vjp(torch.linalg.svd)
 class LinalgSvd:
     """linalg.svd(A, full_matrices) -> (U, S, Vh): svd_backward of derivatives.yaml
     `_linalg_svd` (M. Giles 2008; real inputs).  With full_matrices=True only the first
@@ -334,7 +335,7 @@ class LinalgSvd:
         yield (randn(3, 3, dtype=dtype),), {}
 
 
-@builtin(torch.svd)
+@register_vjp(torch.svd)
 class Svd:
     """svd(A, some, compute_uv) -> (U, S, V) = linalg.svd(A, not some) with V = Vh^T: as
     linalg.svd (derivatives.yaml `_linalg_svd`; some=False: the first min(m, n) columns of
@@ -447,7 +448,7 @@ def _qr_jvp(a: Any, q: Any, r: Any, t: Any) -> tuple[Any, Any]:
     return dq, torch.cat([dr1, dr2], -1)
 
 
-@builtin(torch.linalg.qr)
+@register_vjp(torch.linalg.qr)
 class LinalgQr:
     """linalg.qr(A, mode) -> (Q, R) (derivatives.yaml `linalg_qr`: linalg_qr_backward;
     Seeger et al. 2017).  m >= n: with M = gR R^T - Q^T gQ and N its upper triangle mirrored,
@@ -480,7 +481,7 @@ class LinalgQr:
         yield (randn(3, 4, dtype=dtype),), {"mode": "complete"}
 
 
-@builtin(torch.qr)
+@register_vjp(torch.qr)
 class Qr:
     """qr(A, some) -> (Q, R) = linalg.qr(A, 'reduced' if some else 'complete'): as linalg.qr
     (derivatives.yaml `linalg_qr`)."""
@@ -600,7 +601,7 @@ def _lu_unpack_ct(gLU: Any) -> tuple[Any, Any]:
     return torch.tril(gLU, -1)[..., :, :k], torch.triu(gLU)[..., :k, :]
 
 
-@builtin(torch.linalg.lu)
+@register_vjp(torch.linalg.lu)
 class LinalgLu:
     """linalg.lu(A, pivot) -> (P, L, U): linalg_lu_backward of derivatives.yaml `linalg_lu`
     (square, wide and tall cases; Seeger et al. 2017); P is piecewise constant."""
@@ -643,7 +644,7 @@ def _lu_factor_tangent(LU: Any, piv: Any, t: Any, pivot: bool) -> Any:
     return _lu_pack(dL, dU, LU.shape[-2], LU.shape[-1])
 
 
-@builtin(torch.linalg.lu_factor)
+@register_vjp(torch.linalg.lu_factor)
 class LinalgLuFactor:
     """linalg.lu_factor(A, pivot) -> (LU, pivots): the packed factor's cotangent splits into
     gL = tril(gLU, -1), gU = triu(gLU), then linalg.lu's backward (derivatives.yaml
@@ -670,7 +671,7 @@ class LinalgLuFactor:
         yield (randn(2, 5, 3, dtype=dtype),), {}
 
 
-@builtin(torch.linalg.lu_factor_ex)
+@register_vjp(torch.linalg.lu_factor_ex)
 class LinalgLuFactorEx:
     """linalg.lu_factor_ex(A, pivot) -> (LU, pivots, info): as linalg.lu_factor
     (derivatives.yaml `linalg_lu_factor_ex`: lu_factor_ex_backward)."""
@@ -694,7 +695,7 @@ class LinalgLuFactorEx:
         yield (randn(4, 3, dtype=dtype),), {}
 
 
-@builtin(torch.lu)
+@register_vjp(torch.lu)
 class Lu:
     """lu(A, pivot, get_infos) -> (LU, pivots[, infos]): as linalg.lu_factor
     (derivatives.yaml `linalg_lu_factor_ex`: lu_factor_ex_backward)."""
@@ -720,7 +721,7 @@ class Lu:
         yield (randn(2, 3, 4, dtype=dtype), True, True), {}
 
 
-@builtin(torch.lu_unpack)
+@register_vjp(torch.lu_unpack)
 class LuUnpack:
     """lu_unpack(LU, pivots) -> (P, L, U): d_LU = tril(d_L, -1) + triu(d_U), each padded to
     LU's shape (derivatives.yaml `lu_unpack`: lu_unpack_backward); P is constant."""
@@ -785,7 +786,7 @@ def _eig_bwd(a: Any, w: Any, v: Any, gw: Any, gv: Any) -> Any:
     return _real_if(torch.linalg.solve(vh, torch.matmul(inner, vh)), a)
 
 
-@builtin(torch.linalg.eigvals)
+@register_vjp(torch.linalg.eigvals)
 class LinalgEigvals:
     """linalg.eigvals(A) = L: d_A = V^{-H} diag(d) V^H (real part for a real A); JVP:
     dL = diag(V^{-1} t V) (derivatives.yaml `linalg_eig` with only gL: linalg_eig_backward)."""
@@ -809,7 +810,7 @@ class LinalgEigvals:
     # only; the OpInfo sweep checks it against autograd
 
 
-@builtin(torch.linalg.eig)
+@register_vjp(torch.linalg.eig)
 class LinalgEig:
     """linalg.eig(A) -> (L, V) (columns of V of unit norm): derivatives.yaml `linalg_eig`:
     linalg_eig_backward, gA = V^{-H} (diag(gL) + P / conj(E)) V^H with E_ij = L_j - L_i and
@@ -929,7 +930,8 @@ def _tangent_of_V(dA: Any, k: int) -> Any:
     return None if dA is None else torch.tril(dA[..., :k], -1)
 
 
-@builtin(torch.linalg.householder_product, torch.orgqr)
+@register_vjp(torch.linalg.householder_product)
+@register_vjp(torch.orgqr)
 class HouseholderProduct:
     """householder_product(A, tau) = H_1 ... H_k E (first n columns of the product of the
     reflectors H_i = I - tau_i v_i v_i^T): backward and JVP differentiate the k rank-1 updates
@@ -978,7 +980,7 @@ def _ormqr_order(k: int, left: bool, transpose: bool) -> list[int]:
     return list(reversed(range(k))) if last_first else list(range(k))
 
 
-@builtin(torch.ormqr)
+@register_vjp(torch.ormqr)
 class Ormqr:
     """ormqr(A, tau, C, left, transpose) = op(Q) C or C op(Q), Q = H_1 ... H_k (m x m):
     as a sequence of rank-1 reflector updates applied to C (or C^T for right-hand products);

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .._base import builtin, conj, randn, _spd
-from ..registry import add_rule
+from .._base import conj, randn, _spd
+from ..registry import register_vjp
 
 
 # --- matrix functions -----------------------------------------------------------------------
@@ -23,7 +23,7 @@ def _sq(x: Any) -> Any:
     return torch.unsqueeze(torch.unsqueeze(x, -1), -1)
 
 
-@builtin(torch.linalg.det)
+@register_vjp(torch.linalg.det)
 class Det:
     """linalg.det(A): d_A = d det(A) A^{-T} (derivatives.yaml `linalg_det`; invertible A)."""
 
@@ -40,7 +40,7 @@ class Det:
         yield (randn(2, 4, 4, dtype=dtype),), {}
 
 
-@builtin(torch.linalg.slogdet)
+@register_vjp(torch.linalg.slogdet)
 class SlogDet:
     """linalg.slogdet(A) -> (sign, logabsdet): d_A = d_logabsdet A^{-T} (sign is piecewise
     constant) (derivatives.yaml `_linalg_slogdet`)."""
@@ -59,7 +59,7 @@ class SlogDet:
         yield (randn(3, 3, dtype=dtype),), {}
 
 
-@builtin(torch.det)
+@register_vjp(torch.det)
 class DetOld:
     """det(A): d_A = d det(A) A^{-T} (derivatives.yaml `linalg_det`; invertible A)."""
 
@@ -75,7 +75,7 @@ class DetOld:
         yield (randn(3, 3, dtype=dtype),), {}
 
 
-@builtin(torch.logdet)
+@register_vjp(torch.logdet)
 class LogDet:
     """logdet(A) = log det(A): d_A = d A^{-T} (derivatives.yaml `logdet`)."""
 
@@ -104,36 +104,38 @@ def _mpow_pos_bwd(a: Any, n: int, d: Any) -> Any:
     return g
 
 
-class MatrixPower:
-    """matrix_power(A, n): d_A = sum_k (A^T)^k d (A^T)^(n-1-k); n < 0 through B = A^{-1}:
-    d_A = -B^T d_B B^T (derivatives.yaml `linalg_matrix_power`)."""
+def _matrix_power(op: Any) -> type:
+    class MatrixPower:
+        """matrix_power(A, n): d_A = sum_k (A^T)^k d (A^T)^(n-1-k); n < 0 through B = A^{-1}:
+        d_A = -B^T d_B B^T (derivatives.yaml `linalg_matrix_power`)."""
 
-    def bwd(aux, d):
-        a, n = conj(aux[0]), aux[1]  # (complex: the adjoint uses conj(A))
-        if n == 0:
-            return None, None
-        if n > 0:
-            return _mpow_pos_bwd(a, n, d), None
-        b = torch.linalg.inv(a)
-        db = _mpow_pos_bwd(b, -n, d)
-        bt = b.mT
-        return -torch.matmul(torch.matmul(bt, db), bt), None
+        def fwd(input, n):
+            return op(input, n), (input, n)
 
+        def bwd(aux, d):
+            a, n = conj(aux[0]), aux[1]  # (complex: the adjoint uses conj(A))
+            if n == 0:
+                return None, None
+            if n > 0:
+                return _mpow_pos_bwd(a, n, d), None
+            b = torch.linalg.inv(a)
+            db = _mpow_pos_bwd(b, -n, d)
+            bt = b.mT
+            return -torch.matmul(torch.matmul(bt, db), bt), None
 
-for _op in (torch.linalg.matrix_power, torch.matrix_power):
-    def _mp_fwd(input, n, _op=_op):
-        return _op(input, n), (input, n)
+        def samples(dtype):
+            yield (randn(3, 3, dtype=dtype), 3), {}
+            yield (randn(2, 3, 3, dtype=dtype), 1), {}
+            yield (randn(3, 3, dtype=dtype) + 3 * torch.eye(3, dtype=dtype), -2), {}
 
-    def _mp_samples(dtype):
-        yield (randn(3, 3, dtype=dtype), 3), {}
-        yield (randn(2, 3, 3, dtype=dtype), 1), {}
-        yield (randn(3, 3, dtype=dtype) + 3 * torch.eye(3, dtype=dtype), -2), {}
-
-    add_rule(_op, _mp_fwd, MatrixPower.bwd, samples=_mp_samples, source=MatrixPower.__doc__,
-             builtin=True)
+    return MatrixPower
 
 
-@builtin(torch.linalg.vander)
+register_vjp(torch.linalg.matrix_power)(_matrix_power(torch.linalg.matrix_power))
+register_vjp(torch.matrix_power)(_matrix_power(torch.matrix_power))
+
+
+@register_vjp(torch.linalg.vander)
 class Vander:
     """linalg.vander(x, N)[..., j] = x^j: d_x = sum_{j >= 1} d_j j x^(j - 1)
     (derivatives.yaml: composite of `pow`/`cumprod`)."""
@@ -177,7 +179,7 @@ def _block_expm(a: Any, t: Any) -> Any:
     return e[..., :n, n:]
 
 
-@builtin(torch.matrix_exp)
+@register_vjp(torch.matrix_exp)
 class MatrixExp:
     """matrix_exp(A): d_A = L(A^T, d), the Fréchet derivative at A^T, read off the upper
     right block of matrix_exp([[A^T, d], [0, A^T]]); JVP: L(A, t) likewise (derivatives.yaml
@@ -200,7 +202,7 @@ class MatrixExp:
         yield (randn(1, 1, dtype=dtype),), {}
 
 
-@builtin(torch.linalg.matrix_exp)
+@register_vjp(torch.linalg.matrix_exp)
 class LinalgMatrixExp:
     """linalg.matrix_exp(A): as matrix_exp (derivatives.yaml `matrix_exp`)."""
 

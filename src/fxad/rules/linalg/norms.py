@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .._base import builtin, dims_of, pnorm_grad, randn, restore_reduced
+from .._base import dims_of, pnorm_grad, randn, restore_reduced
+from ..registry import register_vjp
 
 
 # --- norms ----------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ def _vnorm_bwd(x: Any, out: Any, p: Any, dim: Any, keepdim: bool, d: Any) -> Any
     return pnorm_grad(x, red, p, restore_reduced(d, dims, keepdim), dims)
 
 
-@builtin(torch.linalg.vector_norm)
+@register_vjp(torch.linalg.vector_norm)
 class VectorNorm:
     """linalg.vector_norm(x, ord, dim): d_x = norm_backward: sgn(x) d (ord 1), x d / n (ord 2),
     sgn(x) |x|^(p-1) d / n^(p-1) (other p), spread evenly over the maxima (ord inf), 0
@@ -61,7 +62,7 @@ def _nuc_bwd(x: Any, dims: tuple, keepdim: bool, d: Any) -> Any:
     return torch.movedim(g * dr, (-2, -1), dims)
 
 
-@builtin(torch.norm)
+@register_vjp(torch.norm)
 class Norm:
     """torch.norm(x, p, dim): 'fro' and numeric p are vector norms over dim (see
     linalg.vector_norm); 'nuc' is the nuclear norm, d_x = d U V^H (derivatives.yaml
@@ -90,7 +91,7 @@ class Norm:
         yield (randn(2, 3, 4, dtype=dtype), "fro", (1, 2), True), {}
 
 
-@builtin(torch.dist)
+@register_vjp(torch.dist)
 class Dist:
     """dist(a, b, p) = ||a - b||_p: d_a = dn/dz, d_b = -dn/dz with z = a - b
     (derivatives.yaml `dist`: norm_backward)."""
@@ -132,7 +133,7 @@ def _matrix_norm_bwd(x: Any, ord: Any, dims: tuple, keepdim: bool, d: Any) -> An
     return torch.sgn(x) * (mask / torch.sum(mask, sel_dim, keepdim=True)) * dr
 
 
-@builtin(torch.linalg.matrix_norm)
+@register_vjp(torch.linalg.matrix_norm)
 class MatrixNorm:
     """linalg.matrix_norm(A, ord, dim): 'fro' as a vector 2-norm; 'nuc': d U V^H; 2/-2:
     d u_k v_k^H for the largest/smallest singular value; inf/1 (and negatives): sgn(A) times
@@ -157,7 +158,7 @@ class MatrixNorm:
         yield (randn(3, 4, dtype=dtype), 2), {}
 
 
-@builtin(torch.linalg.norm)
+@register_vjp(torch.linalg.norm)
 class LinalgNorm:
     """linalg.norm(A, ord, dim): a vector norm (dim an int, or ord None with dim None, or a
     1-d A) or a matrix norm (two dims, or a 2-d A with ord given); see linalg.vector_norm and
@@ -216,7 +217,7 @@ def _cond_grad(a: Any, p: Any, d: Any) -> Any:
     return ga - torch.matmul(torch.matmul(b.mT, gb), b.mT)
 
 
-@builtin(torch.linalg.cond)
+@register_vjp(torch.linalg.cond)
 class LinalgCond:
     """linalg.cond(A, p): the composite of derivatives.yaml (`linalg_svdvals` for p in None/2/-2:
     cond = S[0] / S[-1]; `linalg_matrix_norm` and `linalg_inv_ex` otherwise); JVP:
@@ -258,7 +259,7 @@ def _renorm_parts(x: Any, p: float, dim: int, maxnorm: float) -> tuple:
     return dims, norm, over, inv
 
 
-@builtin(torch.renorm)
+@register_vjp(torch.renorm)
 class Renorm:
     """renorm(x, p, dim, maxnorm): each slice along dim with p-norm N > maxnorm is scaled by
     s = maxnorm / (N + 1e-7).  There d_x = s d - maxnorm / (N + 1e-7)^2 * sum(x d) * dN/dx,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .._base import builtin, conj, randn, _add, _is_t
-from ..registry import add_rule
+from .._base import conj, randn, _add, _is_t
+from ..registry import register_vjp
 
 
 def _matmul_bwd(a, b, d):
@@ -35,7 +35,8 @@ def _matmul_bwd(a, b, d):
     return d @ b.mT, a.mT @ d
 
 
-@builtin(operator.matmul, torch.matmul)
+@register_vjp(operator.matmul)
+@register_vjp(torch.matmul)
 class Matmul:
     """a @ b with numpy semantics (1-D operands, batch broadcasting): d_a = d @ b^T,
     d_b = a^T @ d (derivatives.yaml `matmul` → matmul_backward)."""
@@ -65,7 +66,7 @@ class Matmul:
         yield (randn(4, dtype=dtype), randn(4, dtype=dtype)), {}
 
 
-@builtin(torch.mm)
+@register_vjp(torch.mm)
 class Mm:
     """mm(a, b): d_a = d @ b^T, d_b = a^T @ d (derivatives.yaml `mm`)."""
 
@@ -88,7 +89,7 @@ class Mm:
         yield (randn(3, 4, dtype=dtype), randn(4, 5, dtype=dtype)), {}
 
 
-@builtin(torch.bmm)
+@register_vjp(torch.bmm)
 class Bmm:
     """bmm(a, b): d_a = d @ b^T, d_b = a^T @ d per batch (derivatives.yaml `bmm`)."""
 
@@ -111,7 +112,7 @@ class Bmm:
         yield (randn(2, 3, 4, dtype=dtype), randn(2, 4, 5, dtype=dtype)), {}
 
 
-@builtin(torch.addmm)
+@register_vjp(torch.addmm)
 class Addmm:
     """addmm(c, a, b, beta, alpha) = beta c + alpha a @ b: d_c = beta d,
     d_a = alpha d @ b^T, d_b = alpha a^T @ d (derivatives.yaml `addmm`)."""
@@ -146,26 +147,29 @@ def _mul(d: Any, s: Any) -> Any:
     return d if (not _is_t(s) and s == 1) else d * s
 
 
-class Dot:
-    """dot(a, b) = sum(a b) (vdot: conj(a) b, equal for real inputs): d_a = d b, d_b = d a
-    (derivatives.yaml `dot`, `vdot`)."""
+def _dot(op: Any) -> type:
+    class Dot:
+        """dot(a, b) = sum(a b) (vdot: conj(a) b, equal for real inputs): d_a = d b, d_b = d a
+        (derivatives.yaml `dot`, `vdot`)."""
 
-    def bwd(aux, d):
-        a, b = aux
-        return d * b, d * a
+        def fwd(input, tensor):
+            return op(input, tensor), (input, tensor)
+
+        def bwd(aux, d):
+            a, b = aux
+            return d * b, d * a
+
+        def samples(dtype):
+            yield (randn(5, dtype=dtype), randn(5, dtype=dtype)), {}
+
+    return Dot
 
 
-for _op in (torch.dot, torch.vdot):
-    def _dot_fwd(input, tensor, _op=_op):
-        return _op(input, tensor), (input, tensor)
-
-    def _dot_samples(dtype):
-        yield (randn(5, dtype=dtype), randn(5, dtype=dtype)), {}
-
-    add_rule(_op, _dot_fwd, Dot.bwd, samples=_dot_samples, source=Dot.__doc__, builtin=True)
+register_vjp(torch.dot)(_dot(torch.dot))
+register_vjp(torch.vdot)(_dot(torch.vdot))
 
 
-@builtin(torch.mv)
+@register_vjp(torch.mv)
 class Mv:
     """mv(A, v): d_A = outer(d, v), d_v = A^T d (derivatives.yaml `mv`)."""
 
@@ -180,7 +184,7 @@ class Mv:
         yield (randn(3, 4, dtype=dtype), randn(4, dtype=dtype)), {}
 
 
-@builtin(torch.addmv)
+@register_vjp(torch.addmv)
 class Addmv:
     """addmv(x, A, v, beta, alpha) = beta x + alpha A v: d_x = beta d, d_A = alpha outer(d, v),
     d_v = alpha A^T d (derivatives.yaml `addmv`)."""
@@ -199,7 +203,7 @@ class Addmv:
             {"beta": 0.5, "alpha": 2.0}
 
 
-@builtin(torch.addr)
+@register_vjp(torch.addr)
 class Addr:
     """addr(x, u, v, beta, alpha) = beta x + alpha outer(u, v): d_x = beta d,
     d_u = alpha d v, d_v = alpha d^T u (derivatives.yaml `addr`)."""
@@ -218,7 +222,8 @@ class Addr:
             {"beta": 0.5, "alpha": 2.0}
 
 
-@builtin(torch.outer, torch.ger)
+@register_vjp(torch.outer)
+@register_vjp(torch.ger)
 class Outer:
     """outer(u, v): d_u = d v, d_v = d^T u (derivatives.yaml via `mul`)."""
 
@@ -233,7 +238,7 @@ class Outer:
         yield (randn(3, dtype=dtype), randn(4, dtype=dtype)), {}
 
 
-@builtin(torch.addbmm)
+@register_vjp(torch.addbmm)
 class Addbmm:
     """addbmm(x, B1, B2) = beta x + alpha sum_b B1_b B2_b: d_x = beta d,
     d_B1 = alpha d B2^T, d_B2 = alpha B1^T d (derivatives.yaml `addbmm`)."""
@@ -254,7 +259,7 @@ class Addbmm:
                randn(2, 4, 5, dtype=dtype)), {"beta": 0.5, "alpha": 2.0}
 
 
-@builtin(torch.baddbmm)
+@register_vjp(torch.baddbmm)
 class Baddbmm:
     """baddbmm(x, B1, B2) = beta x + alpha B1 @ B2: d_x = beta d, d_B1 = alpha d B2^T,
     d_B2 = alpha B1^T d (derivatives.yaml `baddbmm`)."""
@@ -275,7 +280,7 @@ class Baddbmm:
                randn(2, 4, 5, dtype=dtype)), {"beta": 0.5, "alpha": 2.0}
 
 
-@builtin(torch.trace)
+@register_vjp(torch.trace)
 class Trace:
     """trace(A): d_A = d * I (rectangular eye) (derivatives.yaml `trace`: trace_backward)."""
 
@@ -300,7 +305,7 @@ def _cross_dim(shape: tuple, dim: Any) -> int:
     return next(i for i, s in enumerate(shape) if s == 3)
 
 
-@builtin(torch.cross)
+@register_vjp(torch.cross)
 class Cross:
     """cross(a, b, dim): d_a = cross(b, d), d_b = cross(d, a) (derivatives.yaml
     `linalg_cross`)."""
@@ -318,7 +323,7 @@ class Cross:
         yield (randn(3, 2, dtype=dtype), randn(3, 2, dtype=dtype)), {}
 
 
-@builtin(torch.linalg.cross)
+@register_vjp(torch.linalg.cross)
 class LinalgCross:
     """linalg.cross(a, b, dim): d_a = cross(b, d), d_b = cross(d, a) (derivatives.yaml
     `linalg_cross`)."""
@@ -334,7 +339,7 @@ class LinalgCross:
         yield (randn(4, 3, dtype=dtype), randn(4, 3, dtype=dtype)), {}
 
 
-@builtin(torch.inner)
+@register_vjp(torch.inner)
 class Inner:
     """inner(a, b) = contraction of the last dims: d_a = tensordot(d, b) over b's leading
     dims, d_b = tensordot(d, a) over a's leading dims (0-d operands: a product)
@@ -365,7 +370,7 @@ def _inv_perm(perm: list[int]) -> list[int]:
     return inv
 
 
-@builtin(torch.tensordot)
+@register_vjp(torch.tensordot)
 class Tensordot:
     """tensordot(a, b, dims): d_a = tensordot(d, b) over b's free dims, permuted to a's order;
     d_b = tensordot(a, d) over a's free dims, permuted to b's order (derivatives.yaml via
@@ -399,7 +404,7 @@ class Tensordot:
         yield (randn(2, 3, dtype=dtype), randn(4, 5, dtype=dtype), 0), {}
 
 
-@builtin(torch.kron)
+@register_vjp(torch.kron)
 class Kron:
     """kron(a, b): out[(i, j)] = a[i] b[j] per dim; with d viewed as interleaved
     (a0, b0, a1, b1, ...) blocks, d_a = sum over the b axes of d b, d_b = sum over the a axes of
@@ -454,7 +459,7 @@ def _parse_einsum(eq: str, ndims: list[int]) -> tuple[list[str], str]:
     return out_subs, out
 
 
-@builtin(torch.einsum)
+@register_vjp(torch.einsum)
 class Einsum:
     """einsum(eq, *ops): the cotangent of operand i is einsum of d with the other operands
     onto operand i's subscripts; letters summed only within operand i come back as size-1 dims
@@ -527,7 +532,7 @@ class Einsum:
         yield ("i,j->ij", randn(3, dtype=dtype), randn(4, dtype=dtype)), {}
 
 
-@builtin(torch.linalg.vecdot)
+@register_vjp(torch.linalg.vecdot)
 class VecDot:
     """linalg.vecdot(x, y, dim) = sum(x y, dim) (real): d_x = d y, d_y = d x with d unsqueezed
     at dim (derivatives.yaml `linalg_vecdot`)."""
@@ -545,7 +550,7 @@ class VecDot:
         yield (randn(3, 4, dtype=dtype), randn(3, 4, dtype=dtype)), {"dim": 0}
 
 
-@builtin(torch.linalg.multi_dot)
+@register_vjp(torch.linalg.multi_dot)
 class MultiDot:
     """multi_dot([M_0, ..., M_k]) (1-d ends as row/column vectors): d_M_i =
     (M_0 ... M_{i-1})^T d (M_{i+1} ... M_k)^T (derivatives.yaml via `mm`)."""

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from .._base import builtin, randn, _add
+from .._base import randn, _add
+from ..registry import register_vjp
 from ._common import _first
 
 
-@builtin(torch.linalg.inv)
+@register_vjp(torch.linalg.inv)
 class Inv:
     """linalg.inv(A) = B: d_A = -B^T d B^T (derivatives.yaml `linalg_inv_ex`)."""
 
@@ -42,7 +43,7 @@ class Inv:
         yield (randn(2, 3, 3, dtype=dtype),), {}
 
 
-@builtin(torch.linalg.inv_ex)
+@register_vjp(torch.linalg.inv_ex)
 class InvEx:
     """linalg.inv_ex(A) -> (B, info): d_A = -B^T d_B B^T (derivatives.yaml `linalg_inv_ex`)."""
 
@@ -74,7 +75,7 @@ def _solve_bwd(a: Any, b: Any, x: Any, left: bool, d: Any) -> tuple[Any, Any]:
     return -torch.matmul(x.mT, d_b), d_b
 
 
-@builtin(torch.linalg.solve)
+@register_vjp(torch.linalg.solve)
 class Solve:
     """linalg.solve(A, B) = X (A X = B; left=False: X A = B): d_B = A^{-T} d (d A^{-T}),
     d_A = -d_B X^T (-X^T d_B) (derivatives.yaml `_linalg_solve_ex`:
@@ -93,7 +94,7 @@ class Solve:
         yield (randn(2, 3, 3, dtype=dtype), randn(2, 4, 3, dtype=dtype)), {"left": False}
 
 
-@builtin(torch.linalg.solve_ex)
+@register_vjp(torch.linalg.solve_ex)
 class SolveEx:
     """linalg.solve_ex(A, B) -> (X, info): as linalg.solve (derivatives.yaml
     `_linalg_solve_ex`)."""
@@ -112,7 +113,7 @@ class SolveEx:
         yield (randn(3, 3, dtype=dtype), randn(3, 2, dtype=dtype)), {}
 
 
-@builtin(torch.linalg.solve_triangular)
+@register_vjp(torch.linalg.solve_triangular)
 class SolveTriangular:
     """linalg.solve_triangular(A, B, upper, left, unitriangular) = X: d_B = solve_triangular(
     A^T, d, !upper), d_A = -d_B X^T (left) or -X^T d_B (right), restricted to A's triangle
@@ -161,7 +162,7 @@ def _chol_gL(L: Any, m: Any, upper: bool) -> Any:
     return -torch.matmul(L, s) if upper else -torch.matmul(s, L)
 
 
-@builtin(torch.cholesky_solve)
+@register_vjp(torch.cholesky_solve)
 class CholeskySolve:
     """cholesky_solve(B, L, upper) = X = (L L^T)^{-1} B (upper: (U^T U)^{-1} B):
     d_B = cholesky_solve(d, L), d_L = -(M + M^T) L with M = d_B X^T (upper: -U (M + M^T));
@@ -190,7 +191,7 @@ class CholeskySolve:
     # covers the full matrix, so central differences cannot match; the OpInfo sweep checks it
 
 
-@builtin(torch.cholesky_inverse)
+@register_vjp(torch.cholesky_inverse)
 class CholeskyInverse:
     """cholesky_inverse(L, upper) = Y = (L L^T)^{-1} (upper: (U^T U)^{-1}):
     d_L = -(M + M^T) L with M = Y d Y (upper: -U (M + M^T)) (derivatives.yaml
@@ -221,7 +222,7 @@ def _tri_mask(x: Any, upper: bool, unit: bool) -> Any:
     return torch.triu(x, k) if upper else torch.tril(x, -k)
 
 
-@builtin(torch.triangular_solve)
+@register_vjp(torch.triangular_solve)
 class TriangularSolve:
     """triangular_solve(b, A, upper, transpose, unitriangular) -> (X, A.clone()) with
     op(A) X = b: d_b = op(A)^{-T} d_X, d_A = -d_b X^T (transpose: -X d_b^T) restricted to
@@ -295,7 +296,7 @@ def _lu_solve_bwd(LU: Any, piv: Any, x: Any, d: Any, left: bool, adjoint: bool) 
     return g_lu, gb
 
 
-@builtin(torch.linalg.lu_solve)
+@register_vjp(torch.linalg.lu_solve)
 class LinalgLuSolve:
     """linalg.lu_solve(LU, pivots, B, left, adjoint) = X: d_B = lu_solve(LU, d, adjoint=not
     adjoint); d_A as for linalg.solve, pulled back to the packed factor through
@@ -323,7 +324,7 @@ class LinalgLuSolve:
         yield (lu, piv, randn(2, 2, 3, dtype=dtype)), {"left": False, "adjoint": True}
 
 
-@builtin(torch.lu_solve)
+@register_vjp(torch.lu_solve)
 class LuSolve:
     """lu_solve(b, LU, pivots) = linalg.lu_solve(LU, pivots, b) (derivatives.yaml
     `linalg_lu_solve`)."""
@@ -376,7 +377,7 @@ def _pinv_jvp(a: Any, x: Any, t: Any) -> Any:
     return t1 + t2 + t3
 
 
-@builtin(torch.linalg.pinv)
+@register_vjp(torch.linalg.pinv)
 class LinalgPinv:
     """linalg.pinv(A, atol, rtol, hermitian) = X: gA = -X^T d X^T + (I - A X) d^T X X^T +
     X^T X d^T (I - X A) at the rank the tolerances select (Golub & Pereyra 1973;
@@ -402,7 +403,7 @@ class LinalgPinv:
         yield (randn(3, 5, dtype=dtype),), {"rtol": 1e-10}
 
 
-@builtin(torch.pinverse)
+@register_vjp(torch.pinverse)
 class Pinverse:
     """pinverse(A, rcond) = linalg.pinv(A, rtol=rcond): as linalg.pinv (derivatives.yaml
     `linalg_pinv`: pinv_backward)."""
@@ -426,7 +427,7 @@ class Pinverse:
 
 # --- tensor inverse and solve -----------------------------------------------------------------
 
-@builtin(torch.linalg.tensorinv)
+@register_vjp(torch.linalg.tensorinv)
 class LinalgTensorinv:
     """linalg.tensorinv(A, ind) = inv(A as a p x p matrix) reshaped: the matrix inverse's
     backward -B^T d B^T on the reshaped cotangent (derivatives.yaml: composite of `reshape`
@@ -472,7 +473,7 @@ def _tensorsolve_setup(a: Any, b: Any, dims: Any) -> tuple[Any, Any]:
     return torch.movedim(a, dims, dest), (dims, dest)
 
 
-@builtin(torch.linalg.tensorsolve)
+@register_vjp(torch.linalg.tensorsolve)
 class LinalgTensorsolve:
     """linalg.tensorsolve(A, B, dims) = X with tensordot(A, X, X.ndim) = B: with A2 the
     (B.numel() x X.numel()) matrix of A (dims moved to the end), d_B = A2^{-T} vec(d),

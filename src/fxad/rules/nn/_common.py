@@ -1,6 +1,6 @@
 """Helpers shared by the ``torch.nn.functional`` rule modules (and only by them): the JVP
-argument binder ``_bound``, tuple/argument normalizers, the spatial contraction of the pools
-and the resamplers, and :func:`builtin_verbatim`.
+argument binder ``_bound``, tuple/argument normalizers and the spatial contraction of the
+pools and the resamplers.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from ...errors import RuleError
 from .._base import _error
-from ..registry import add_rule
 
 
 def _bound(fwd: Callable, primals: tuple, tangents: tuple) -> tuple[dict, dict]:
@@ -39,27 +38,6 @@ def _pair(v: Any, what: str = "argument") -> tuple[int, int]:
     if len(v) != 2:
         raise RuleError(f"expected an int or a pair for {what}, got {v!r}")
     return (v[0], v[1])
-
-
-def _reg(op: Any, cls: type) -> type:
-    d = cls.__dict__
-    f = lambda k: (lambda v: v.__func__ if isinstance(v, staticmethod) else v)(d.get(k))  # noqa
-    add_rule(op, f("fwd"), f("bwd"), jvp=f("jvp"), samples=f("samples"),
-             source=(cls.__doc__ or "").strip(), builtin=True)
-    return cls
-
-
-def builtin_verbatim(*ops: Any):
-    """Like :func:`fxad.rules._base.builtin`, but the recorded source is the class docstring
-    stripped and not dedented, and no class-level ``residuals``/``recompute`` declaration is
-    read: the registration many ``torch.nn.functional`` rules are written with (their
-    recorded sources keep their docstrings' indentation)."""
-
-    def deco(cls: type) -> type:
-        for op in ops:
-            _reg(op, cls)
-        return cls
-    return deco
 
 
 # --- pooling and resampling shapes -----------------------------------------------------------

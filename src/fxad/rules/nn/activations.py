@@ -13,6 +13,7 @@ backward kernel (:mod:`fxad.rules.fused`, ``docs/fused_kernels.md``).  ``sigmoid
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -20,12 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import fused
-from .._base import builtin, is_complex, randn, unary, _add, _error, _t
-from ..registry import add_rule
-from ._common import builtin_verbatim, _aten, _bound
+from .._base import is_complex, randn, unary, _add, _error, _t
+from ..registry import register_vjp
+from ._common import _aten, _bound
 
 
-@builtin(torch.relu, F.relu)
+@register_vjp(torch.relu)
+@register_vjp(F.relu)
 class Relu:
     """relu(x) = max(x, 0): d_x = d where out > 0 else 0 (derivatives.yaml `relu`:
     threshold_backward(grad, result, 0)).  Written ``d * sign(out)``: ``out >= 0``, so its
@@ -61,7 +63,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-@builtin(F.gelu)
+@register_vjp(F.gelu)
 class Gelu:
     """gelu(x) = x Φ(x): d_x = d (Φ(x) + x φ(x)); for ``approximate='tanh'``, with
     u = √(2/π)(x + 0.044715 x³), t = tanh(u): d_x = d (½(1 + t) + ½ x (1 - t²) u')
@@ -98,7 +100,7 @@ def _gelu_derivative(x: Any, approximate: str) -> Any:
     return cdf + x * pdf
 
 
-@builtin(F.silu)
+@register_vjp(F.silu)
 class Silu:
     """silu(x) = x σ(x): d_x = d σ(x)(1 + x(1 - σ(x))) (derivatives.yaml `silu`:
     silu_backward)."""
@@ -155,7 +157,7 @@ def _softmax_samples(dtype: torch.dtype):
     yield (randn(6, dtype=dtype), 0), {}
 
 
-@builtin(torch.softmax)
+@register_vjp(torch.softmax)
 class Softmax:
     """y = softmax(x, dim): d_x = y * (d - sum(d * y, dim))
     (derivatives.yaml `_softmax`: _softmax_backward_data).  JVP: t_y = y * (t - sum(t * y))."""
@@ -179,7 +181,7 @@ class Softmax:
     samples = staticmethod(_softmax_samples)
 
 
-@builtin(torch.log_softmax)
+@register_vjp(torch.log_softmax)
 class LogSoftmax:
     """y = log_softmax(x, dim): d_x = d - exp(y) * sum(d, dim)
     (derivatives.yaml `_log_softmax`: _log_softmax_backward_data).
@@ -204,7 +206,7 @@ class LogSoftmax:
     samples = staticmethod(_softmax_samples)
 
 
-@builtin(F.softmax)
+@register_vjp(F.softmax)
 class FunctionalSoftmax:
     """``F.softmax(x)`` kept by normalization (legacy implicit ``dim``: 0 for 0-, 1- and 3-D
     inputs, else 1, as ``F._get_softmax_dim``); same formula as ``torch.softmax``
@@ -228,7 +230,7 @@ class FunctionalSoftmax:
         return out, _softmax_vjp(out, t["input"], dim)
 
 
-@builtin(F.log_softmax)
+@register_vjp(F.log_softmax)
 class FunctionalLogSoftmax:
     """``F.log_softmax(x)`` kept by normalization (legacy implicit ``dim``); same formula as
     ``torch.log_softmax`` (derivatives.yaml `_log_softmax`)."""
@@ -265,24 +267,12 @@ _SELU_SCALE = 1.0507009873554804934193349852946
 
 # --- pointwise activations: y = f(x), d_x = d * f'(x) ------------------------------------------
 
-def _pointwise(op: Any, fwd: Any, deriv: Any, doc: str, samples: Any = None) -> None:
-    """``fwd(input, *params) -> value``; ``deriv(x, value, *params) -> f'``."""
-    import inspect
-
-    sig = inspect.signature(fwd)
+def _pointwise(f: Any, deriv: Any, doc: str, samples: Any = None) -> type:
+    """The rule class of ``y = f(input, *params)`` with ``d_x = d * deriv(x, y, *params)``
+    (``fwd`` gets ``f``'s exact parameter names and defaults)."""
+    sig = inspect.signature(f)
     names = list(sig.parameters)
-
-    def bwd(aux, d):
-        x, out, params = aux
-        return (d * deriv(x, out, *params),)
-
-    def jvp(primals, tangents):
-        x, params = primals[0], primals[1:]
-        out = fwd(x, *params)
-        t = tangents[0]
-        return out, (None if t is None else t * deriv(x, out, *params))
-
-    ns: dict[str, Any] = {"_f": fwd}
+    ns: dict[str, Any] = {"_f": f}
     src = (f"def fwd({', '.join(str(p) for p in sig.parameters.values())}):\n"
            f"    out = _f({', '.join(names)})\n"
            f"    return out, ({names[0]}, out, ({''.join(n + ', ' for n in names[1:])}))\n")
@@ -292,48 +282,68 @@ def _pointwise(op: Any, fwd: Any, deriv: Any, doc: str, samples: Any = None) -> 
         yield (_t((3, 4), dtype, -4.0, 4.0),), {}
         yield (_t((), dtype, -4.0, 4.0),), {}
 
-    add_rule(op, ns["fwd"], bwd, jvp=jvp, samples=samples or default_samples, source=doc,
-             builtin=True)
+    class Pointwise:
+        source = doc
+        fwd = ns["fwd"]
+
+        def bwd(aux, d):
+            x, out, params = aux
+            return (d * deriv(x, out, *params),)
+
+        def jvp(primals, tangents):
+            x, params = primals[0], primals[1:]
+            out = f(x, *params)
+            t = tangents[0]
+            return out, (None if t is None else t * deriv(x, out, *params))
+
+    Pointwise.samples = samples or default_samples
+    return Pointwise
 
 
 def _where(c, a, b):
     return torch.where(c, a, b)
 
 
-_pointwise(F.elu, lambda input, alpha=1.0, inplace=False: F.elu(input, alpha),
-           lambda x, y, alpha, inplace: _where(x > 0, 1.0, alpha * torch.exp(x)),
-           "elu: d_x = d * (1 if x > 0 else alpha exp(x)) (derivatives.yaml `elu`: "
-           "elu_backward)")
-_pointwise(F.celu, lambda input, alpha=1.0, inplace=False: F.celu(input, alpha),
-           lambda x, y, alpha, inplace: _where(x > 0, 1.0, torch.exp(x / alpha)),
-           "celu: d_x = d * (1 if x > 0 else exp(x / alpha)) (derivatives.yaml `celu`)")
-_pointwise(F.selu, lambda input, inplace=False: F.selu(input),
-           lambda x, y, inplace: _where(x > 0, _SELU_SCALE,
-                                        (_SELU_SCALE * _SELU_ALPHA) * torch.exp(x)),
-           "selu: d_x = d * scale * (1 if x > 0 else alpha exp(x)) (derivatives.yaml `selu`: "
-           "elu_backward)")
-_pointwise(F.leaky_relu,
-           lambda input, negative_slope=0.01, inplace=False: F.leaky_relu(input, negative_slope),
-           # a tensor branch, so the slope keeps x's precision (two Python numbers would
-           # make a float32 result)
-           lambda x, y, s, inplace: _where(x > 0, torch.ones_like(x), float(s)),
-           "leaky_relu: d_x = d * (1 if x > 0 else slope) (derivatives.yaml `leaky_relu`)")
-_pointwise(F.hardtanh,
-           lambda input, min_val=-1.0, max_val=1.0, inplace=False: F.hardtanh(input, min_val,
-                                                                              max_val),
-           lambda x, y, lo, hi, inplace: ((x > lo) & (x < hi)).to(x.dtype),
-           "hardtanh: d_x = d where min < x < max, else 0 (derivatives.yaml `hardtanh`: "
-           "hardtanh_backward)")
-_pointwise(F.relu6, lambda input, inplace=False: F.relu6(input),
-           lambda x, y, inplace: ((x > 0) & (x < 6)).to(x.dtype),
-           "relu6 = hardtanh(x, 0, 6): d_x = d where 0 < x < 6 (derivatives.yaml `hardtanh`)")
-_pointwise(F.hardsigmoid, lambda input, inplace=False: F.hardsigmoid(input),
-           lambda x, y, inplace: ((x > -3) & (x < 3)).to(x.dtype) / 6,
-           "hardsigmoid: d_x = d / 6 where -3 < x < 3 (derivatives.yaml `hardsigmoid`)")
-_pointwise(F.hardswish, lambda input, inplace=False: F.hardswish(input),
-           lambda x, y, inplace: _where(x < -3, 0.0, _where(x <= 3, x / 3 + 0.5, 1.0)),
-           "hardswish: d_x = d * (0 if x < -3, x/3 + 1/2 if x <= 3, else 1) "
-           "(derivatives.yaml `hardswish`: hardswish_backward)")
+register_vjp(F.elu)(_pointwise(
+    lambda input, alpha=1.0, inplace=False: F.elu(input, alpha),
+    lambda x, y, alpha, inplace: _where(x > 0, 1.0, alpha * torch.exp(x)),
+    "elu: d_x = d * (1 if x > 0 else alpha exp(x)) (derivatives.yaml `elu`: "
+    "elu_backward)"))
+register_vjp(F.celu)(_pointwise(
+    lambda input, alpha=1.0, inplace=False: F.celu(input, alpha),
+    lambda x, y, alpha, inplace: _where(x > 0, 1.0, torch.exp(x / alpha)),
+    "celu: d_x = d * (1 if x > 0 else exp(x / alpha)) (derivatives.yaml `celu`)"))
+register_vjp(F.selu)(_pointwise(
+    lambda input, inplace=False: F.selu(input),
+    lambda x, y, inplace: _where(x > 0, _SELU_SCALE,
+                                 (_SELU_SCALE * _SELU_ALPHA) * torch.exp(x)),
+    "selu: d_x = d * scale * (1 if x > 0 else alpha exp(x)) (derivatives.yaml `selu`: "
+    "elu_backward)"))
+register_vjp(F.leaky_relu)(_pointwise(
+    lambda input, negative_slope=0.01, inplace=False: F.leaky_relu(input, negative_slope),
+    # a tensor branch, so the slope keeps x's precision (two Python numbers would
+    # make a float32 result)
+    lambda x, y, s, inplace: _where(x > 0, torch.ones_like(x), float(s)),
+    "leaky_relu: d_x = d * (1 if x > 0 else slope) (derivatives.yaml `leaky_relu`)"))
+register_vjp(F.hardtanh)(_pointwise(
+    lambda input, min_val=-1.0, max_val=1.0, inplace=False: F.hardtanh(input, min_val,
+                                                                       max_val),
+    lambda x, y, lo, hi, inplace: ((x > lo) & (x < hi)).to(x.dtype),
+    "hardtanh: d_x = d where min < x < max, else 0 (derivatives.yaml `hardtanh`: "
+    "hardtanh_backward)"))
+register_vjp(F.relu6)(_pointwise(
+    lambda input, inplace=False: F.relu6(input),
+    lambda x, y, inplace: ((x > 0) & (x < 6)).to(x.dtype),
+    "relu6 = hardtanh(x, 0, 6): d_x = d where 0 < x < 6 (derivatives.yaml `hardtanh`)"))
+register_vjp(F.hardsigmoid)(_pointwise(
+    lambda input, inplace=False: F.hardsigmoid(input),
+    lambda x, y, inplace: ((x > -3) & (x < 3)).to(x.dtype) / 6,
+    "hardsigmoid: d_x = d / 6 where -3 < x < 3 (derivatives.yaml `hardsigmoid`)"))
+register_vjp(F.hardswish)(_pointwise(
+    lambda input, inplace=False: F.hardswish(input),
+    lambda x, y, inplace: _where(x < -3, 0.0, _where(x <= 3, x / 3 + 0.5, 1.0)),
+    "hardswish: d_x = d * (0 if x < -3, x/3 + 1/2 if x <= 3, else 1) "
+    "(derivatives.yaml `hardswish`: hardswish_backward)"))
 
 
 def _mish_d(x, y, inplace):
@@ -341,9 +351,10 @@ def _mish_d(x, y, inplace):
     return tsp + x * torch.sigmoid(x) * (1 - tsp * tsp)
 
 
-_pointwise(F.mish, lambda input, inplace=False: F.mish(input), _mish_d,
-           "mish = x tanh(softplus(x)): d_x = d * (tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)) "
-           "(derivatives.yaml `mish`: mish_backward)")
+register_vjp(F.mish)(_pointwise(
+    lambda input, inplace=False: F.mish(input), _mish_d,
+    "mish = x tanh(softplus(x)): d_x = d * (tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)) "
+    "(derivatives.yaml `mish`: mish_backward)"))
 
 
 def _softplus_d(x, y, beta, threshold):
@@ -351,24 +362,27 @@ def _softplus_d(x, y, beta, threshold):
     return _where(z > threshold, 1.0, torch.sigmoid(z))
 
 
-_pointwise(F.softplus, lambda input, beta=1.0, threshold=20.0: F.softplus(input, beta, threshold),
-           _softplus_d,
-           "softplus: d_x = d * sigmoid(beta x), d where beta x > threshold "
-           "(derivatives.yaml `softplus`: softplus_backward)")
-_pointwise(F.threshold,
-           lambda input, threshold, value, inplace=False: F.threshold(input, threshold, value),
-           lambda x, y, th, v, inplace: (x > th).to(x.dtype),
-           "threshold: d_x = d where x > threshold, else 0 (derivatives.yaml `threshold`)",
-           samples=lambda dtype: iter([((_t((3, 4), dtype), 0.5, -1.0), {})]))
-_pointwise(F.softshrink, lambda input, lambd=0.5: F.softshrink(input, lambd),
-           lambda x, y, lambd: (torch.abs(x) > lambd).to(x.dtype),
-           "softshrink: d_x = d where |x| > lambda, else 0 (derivatives.yaml `softshrink`)")
-_pointwise(F.hardshrink, lambda input, lambd=0.5: F.hardshrink(input, lambd),
-           lambda x, y, lambd: (torch.abs(x) > lambd).to(x.dtype),
-           "hardshrink: d_x = d where |x| > lambda, else 0 (derivatives.yaml `hardshrink`)")
+register_vjp(F.softplus)(_pointwise(
+    lambda input, beta=1.0, threshold=20.0: F.softplus(input, beta, threshold),
+    _softplus_d,
+    "softplus: d_x = d * sigmoid(beta x), d where beta x > threshold "
+    "(derivatives.yaml `softplus`: softplus_backward)"))
+register_vjp(F.threshold)(_pointwise(
+    lambda input, threshold, value, inplace=False: F.threshold(input, threshold, value),
+    lambda x, y, th, v, inplace: (x > th).to(x.dtype),
+    "threshold: d_x = d where x > threshold, else 0 (derivatives.yaml `threshold`)",
+    samples=lambda dtype: iter([((_t((3, 4), dtype), 0.5, -1.0), {})])))
+register_vjp(F.softshrink)(_pointwise(
+    lambda input, lambd=0.5: F.softshrink(input, lambd),
+    lambda x, y, lambd: (torch.abs(x) > lambd).to(x.dtype),
+    "softshrink: d_x = d where |x| > lambda, else 0 (derivatives.yaml `softshrink`)"))
+register_vjp(F.hardshrink)(_pointwise(
+    lambda input, lambd=0.5: F.hardshrink(input, lambd),
+    lambda x, y, lambd: (torch.abs(x) > lambd).to(x.dtype),
+    "hardshrink: d_x = d where |x| > lambda, else 0 (derivatives.yaml `hardshrink`)"))
 
 
-@builtin_verbatim(F.glu)
+@register_vjp(F.glu)
 class Glu:
     """glu(x, dim) = a sigmoid(b) with (a, b) = x.chunk(2, dim): d_a = d sigmoid(b),
     d_b = d a sigmoid(b) (1 - sigmoid(b)); d_x = cat(d_a, d_b) (derivatives.yaml `glu`)."""
@@ -387,7 +401,7 @@ class Glu:
         yield (_t((4, 3, 2), dtype), 0), {}
 
 
-@builtin_verbatim(F.softmin)
+@register_vjp(F.softmin)
 class Softmin:
     """softmin(x, dim) = softmax(-x, dim): d_x = -y (d - sum(d y, dim))
     (derivatives.yaml `_softmax`: _softmax_backward_data, negated)."""
@@ -407,7 +421,7 @@ class Softmin:
         yield (_t((2, 3, 4), dtype), 0), {}
 
 
-@builtin_verbatim(F.prelu)
+@register_vjp(F.prelu)
 class PReLU:
     """prelu(x, w) = x if x > 0 else w x, w broadcast along dim 1: d_x = d (1 or w),
     d_w = sum(d x where x <= 0) over all dims but 1 (derivatives.yaml `_prelu_kernel`)."""
@@ -437,7 +451,7 @@ class PReLU:
 # --- ATen-level softmax entry points --------------------------------------------------------
 
 
-@builtin(_aten._softmax_backward_data)
+@register_vjp(_aten._softmax_backward_data)
 class SoftmaxBackwardData:
     """_softmax_backward_data(g, y, dim, input_dtype) = y (g - S), S = sum(g y, dim): the
     softmax VJP, linear in g and bilinear in (g, y).  d_g = y (d - sum(d y)) (the softmax
@@ -471,7 +485,7 @@ class SoftmaxBackwardData:
                    dim, dtype), {}
 
 
-@builtin(_aten._safe_softmax.default)
+@register_vjp(_aten._safe_softmax.default)
 class SafeSoftmax:
     """_safe_softmax(x, dim, dtype): softmax whose rows of all -inf give 0 instead of NaN.
     d_x = y (d - sum(d y, dim)) (derivatives.yaml `_safe_softmax`: _softmax_backward_data;
@@ -548,7 +562,7 @@ _RRELU_DOC = """rrelu, training: noise[i] = uniform(lower, upper) drawn for each
     d_x = d * (1 if x > 0 else slope)."""
 
 
-@builtin(F.rrelu)
+@register_vjp(F.rrelu)
 class Rrelu:
     __doc__ = _RRELU_DOC
     residuals = "inputs+intermediates"
@@ -564,7 +578,7 @@ class Rrelu:
     samples = staticmethod(_rrelu_samples)
 
 
-@builtin(torch.rrelu)
+@register_vjp(torch.rrelu)
 class TorchRrelu:
     __doc__ = "``torch.rrelu(x, lower, upper, training)``: " + _RRELU_DOC
     residuals = "inputs+intermediates"

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import fused
-from .._base import builtin, randn, _add
+from .._base import randn, _add
+from ..registry import register_vjp
 from ._common import _bound
 
 
@@ -60,6 +60,21 @@ def _sdpa_dropout_fwd(q: Any, k: Any, v: Any, mask: Any, dropout_p: float, is_ca
     return (p * keep) @ v, p, keep
 
 
+def _sdpa_scores_vjp(q: Any, k: Any, mask: Any, p: Any, d_v: Any, dp: Any, scale: float,
+                     group: int) -> tuple[Any, Any, Any, Any]:
+    """Cotangents of q, k, v and a float mask from those of the probabilities (``dp``) and of
+    v (``d_v``): dS = P * (dP - sum(dP * P, -1)), d_q = dS k * scale, d_k = dS^T q * scale,
+    summed over each group of repeated key/value heads."""
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    d_q = (ds @ k) * scale
+    d_k = (ds.mT @ q) * scale
+    if group > 1:
+        d_k = d_k.unflatten(-3, (d_k.shape[-3] // group, group)).sum(-3)
+        d_v = d_v.unflatten(-3, (d_v.shape[-3] // group, group)).sum(-3)
+    d_mask = ds if mask is not None and mask.dtype != torch.bool else None
+    return d_q, d_k, d_v, d_mask
+
+
 def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
     """The CPU flash-attention kernels apply: 4-D CPU float inputs of equal heads, no mask."""
     return (mask is None and not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
@@ -69,7 +84,7 @@ def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
 
-@builtin(F.scaled_dot_product_attention)
+@register_vjp(F.scaled_dot_product_attention)
 class ScaledDotProductAttention:
     """y = P v with P = softmax(q k^T * scale + mask) (causal: upper triangle masked to -inf;
     bool mask: False masked to -inf; float mask added).  Backward recomputes P:
@@ -90,11 +105,6 @@ class ScaledDotProductAttention:
 
     def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False):
-        group = _sdpa_check(query, key, enable_gqa)
-        if dropout_p > 0.0:
-            out, p, keep = _sdpa_dropout_fwd(query, key, value, attn_mask, dropout_p, is_causal,
-                                             scale, group)
-            return out, ("dropout", query, key, value, attn_mask, p, keep, scale, group)
         kw: dict[str, Any] = {}
         if attn_mask is not None:
             kw["attn_mask"] = attn_mask
@@ -104,46 +114,20 @@ class ScaledDotProductAttention:
             kw["scale"] = scale
         if enable_gqa:
             kw["enable_gqa"] = True
-        if fused.enabled() and _cpu_flash_ok(query, key, value, attn_mask, enable_gqa):
-            # CPU flash attention: save its logsumexp for the fused backward kernel
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, bool(is_causal), scale=scale)
-            return out, ("fused", query, key, value, out, lse, bool(is_causal), scale)
         out = F.scaled_dot_product_attention(query, key, value, **kw)
         return out, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def bwd(aux, d):
-        if isinstance(aux[0], str) and aux[0] == "fused":  # docs/fused_kernels.md
-            _, q, k, v, out, lse, is_causal, scale = aux
-            d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                d, q, k, v, out, lse, 0.0, is_causal, scale=scale)
-            return d_q, d_k, d_v, None
-        if isinstance(aux[0], str):  # "dropout"
-            _, q, k, v, mask, p, keep, scale, group = aux
-            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            if group > 1:
-                k = k.repeat_interleave(group, -3)
-                v = v.repeat_interleave(group, -3)
-            d_v = (p * keep).mT @ d
-            dp = (d @ v.mT) * keep
-        else:
-            q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
-            group = _sdpa_check(q, k, enable_gqa)
-            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            if group > 1:
-                k = k.repeat_interleave(group, -3)
-                v = v.repeat_interleave(group, -3)
-            p = _sdpa_scores(q, k, mask, is_causal, scale)
-            d_v = p.mT @ d
-            dp = d @ v.mT
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        d_q = (ds @ k) * scale
-        d_k = (ds.mT @ q) * scale
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = aux
+        group = _sdpa_check(q, k, enable_gqa)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         if group > 1:
-            d_k = d_k.unflatten(-3, (d_k.shape[-3] // group, group)).sum(-3)
-            d_v = d_v.unflatten(-3, (d_v.shape[-3] // group, group)).sum(-3)
-        d_mask = ds if mask is not None and mask.dtype != torch.bool else None
-        return d_q, d_k, d_v, d_mask
+            k = k.repeat_interleave(group, -3)
+            v = v.repeat_interleave(group, -3)
+        p = _sdpa_scores(q, k, mask, is_causal, scale)
+        d_v = p.mT @ d
+        dp = d @ v.mT
+        return _sdpa_scores_vjp(q, k, mask, p, d_v, dp, scale, group)
 
     def jvp(primals, tangents):
         pr, t = _bound(ScaledDotProductAttention.fwd, primals, tangents)
@@ -189,3 +173,65 @@ class ScaledDotProductAttention:
         yield (q, k, v, torch.tensor([[True, False, True, True, False]] * 3)), {}
         yield (randn(1, 4, 3, 2, dtype=dtype), randn(1, 2, 5, 2, dtype=dtype),
                randn(1, 2, 5, 3, dtype=dtype)), {"enable_gqa": True}
+
+
+@register_vjp(F.scaled_dot_product_attention)
+class ScaledDotProductAttentionDropout:
+    """``dropout_p > 0``: y = (P*M) v with the dropout mask M drawn in the generated forward
+    and saved; d_v = (P*M)^T d, dP = (d v^T) * M, then as without dropout."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+
+    def applies(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        return dropout_p > 0.0
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        group = _sdpa_check(query, key, enable_gqa)
+        out, p, keep = _sdpa_dropout_fwd(query, key, value, attn_mask, dropout_p, is_causal,
+                                         scale, group)
+        return out, (query, key, value, attn_mask, p, keep, scale, group)
+
+    def bwd(aux, d):
+        q, k, v, mask, p, keep, scale, group = aux
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if group > 1:
+            k = k.repeat_interleave(group, -3)
+            v = v.repeat_interleave(group, -3)
+        d_v = (p * keep).mT @ d
+        dp = (d @ v.mT) * keep
+        return _sdpa_scores_vjp(q, k, mask, p, d_v, dp, scale, group)
+
+    jvp = ScaledDotProductAttention.jvp
+
+
+@register_vjp(F.scaled_dot_product_attention)
+class ScaledDotProductAttentionFused:
+    """Without dropout, for 4-D CPU float inputs of equal heads and no mask: PyTorch's CPU
+    flash attention, whose logsumexp is saved for its fused backward kernel
+    (``docs/fused_kernels.md``)."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+    fused = True
+
+    def applies(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        return not dropout_p > 0.0 and _cpu_flash_ok(query, key, value, attn_mask, enable_gqa)
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        # CPU flash attention: save its logsumexp for the fused backward kernel
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(is_causal), scale=scale)
+        return out, (query, key, value, out, lse, bool(is_causal), scale)
+
+    def bwd(aux, d):
+        q, k, v, out, lse, is_causal, scale = aux
+        d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+        return d_q, d_k, d_v, None
+
+    jvp = ScaledDotProductAttention.jvp

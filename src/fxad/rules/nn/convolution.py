@@ -28,9 +28,9 @@ import torch.nn.functional as F
 import torch.nn.grad as nn_grad
 
 from .. import fused
-from .._base import builtin, randn, _add, _emit, _error, _t
-from ..registry import add_rule, needs_cotangent
-from ._common import builtin_verbatim, _bound, _pair
+from .._base import randn, _add, _emit, _error, _t
+from ..registry import needs_cotangent, register_vjp
+from ._common import _bound, _pair
 
 
 # --- 2-d convolution ------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def _conv_padding(padding: Any, weight_shape: Any, dilation: Any) -> tuple[int, 
     return _pair(padding, "padding")
 
 
-@builtin(torch.conv2d)
+@register_vjp(torch.conv2d)
 class Conv2d:
     """y = conv2d(x, w) + b: d_x = conv2d_input(x.shape, w, d, ...) (the transposed
     convolution), d_w = conv2d_weight(x, w.shape, d, ...), d_b = sum(d) over (N, H, W)
@@ -125,134 +125,138 @@ def _ntuple(v: Any, n: int) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
-def _conv_rule(op: Any, nd: int) -> None:
+def _conv_rule(op: Any, nd: int) -> type:
     grad_in = getattr(torch.nn.grad, f"conv{nd}d_input")
     grad_w = getattr(torch.nn.grad, f"conv{nd}d_weight")
     name = f"conv{nd}d"
 
-    def fwd(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        out = op(input, weight, bias, stride, padding, dilation, groups)
-        return out, (input, weight, bias is not None, stride, padding, dilation, groups)
+    class Conv:
+        source = (f"{name}(x, w, b): d_x = conv{nd}d_input(x.shape, w, d) (the transposed "
+                  f"convolution), d_w = conv{nd}d_weight(x, w.shape, d), d_b = sum(d) over "
+                  "all but the channel dim; 'same' padding is applied explicitly and cropped "
+                  "back (derivatives.yaml `convolution`: convolution_backward)")
 
-    def bwd(aux, d):
-        x, w, has_bias, stride, padding, dilation, groups = aux
-        unbatched = x.dim() == nd + 1
-        if unbatched:
-            x, d = torch.unsqueeze(x, 0), torch.unsqueeze(d, 0)
-        crop = None
-        if isinstance(padding, str):
-            if padding == "valid":
-                pad = (0,) * nd
-            else:  # 'same': pad explicitly (possibly asymmetric), conv with padding 0, crop
-                dil = _ntuple(dilation, nd)
-                tot = [dil[i] * (w.shape[2 + i] - 1) for i in range(nd)]
-                lr = [(t // 2, t - t // 2) for t in tot]
-                crop = [v for (lo, hi) in reversed(lr) for v in (lo, hi)]
-                x = F.pad(x, crop)
-                pad = (0,) * nd
-        else:
-            pad = _ntuple(padding, nd)
-        d_x = _emit(grad_in, tuple(x.shape), w, d, stride, pad, dilation, groups)
-        d_w = _emit(grad_w, x, tuple(w.shape), d, stride, pad, dilation, groups)
-        if crop is not None:
-            d_x = F.pad(d_x, [-v for v in crop])
-        if unbatched:
-            d_x = torch.squeeze(d_x, 0)
-        d_b = torch.sum(d, [0] + list(range(2, nd + 2))) if has_bias else None
-        return d_x, d_w, d_b
+        def fwd(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+            out = op(input, weight, bias, stride, padding, dilation, groups)
+            return out, (input, weight, bias is not None, stride, padding, dilation, groups)
 
-    def jvp(primals, tangents):
-        x, w, b, stride, padding, dilation, groups = primals
-        tx, tw, tb = tangents[:3]
-        out = op(x, w, b, stride, padding, dilation, groups)
-        t = None if tx is None else op(tx, w, None, stride, padding, dilation, groups)
-        if tw is not None or tb is not None:
-            tw = torch.zeros_like(w) if tw is None else tw
-            t2 = op(x, tw, tb, stride, padding, dilation, groups)
-            t = t2 if t is None else t + t2
-        return out, t
+        def bwd(aux, d):
+            x, w, has_bias, stride, padding, dilation, groups = aux
+            unbatched = x.dim() == nd + 1
+            if unbatched:
+                x, d = torch.unsqueeze(x, 0), torch.unsqueeze(d, 0)
+            crop = None
+            if isinstance(padding, str):
+                if padding == "valid":
+                    pad = (0,) * nd
+                else:  # 'same': pad explicitly (possibly asymmetric), conv with padding 0, crop
+                    dil = _ntuple(dilation, nd)
+                    tot = [dil[i] * (w.shape[2 + i] - 1) for i in range(nd)]
+                    lr = [(t // 2, t - t // 2) for t in tot]
+                    crop = [v for (lo, hi) in reversed(lr) for v in (lo, hi)]
+                    x = F.pad(x, crop)
+                    pad = (0,) * nd
+            else:
+                pad = _ntuple(padding, nd)
+            d_x = _emit(grad_in, tuple(x.shape), w, d, stride, pad, dilation, groups)
+            d_w = _emit(grad_w, x, tuple(w.shape), d, stride, pad, dilation, groups)
+            if crop is not None:
+                d_x = F.pad(d_x, [-v for v in crop])
+            if unbatched:
+                d_x = torch.squeeze(d_x, 0)
+            d_b = torch.sum(d, [0] + list(range(2, nd + 2))) if has_bias else None
+            return d_x, d_w, d_b
 
-    def samples(dtype):
-        x = _t((2, 3) + (5,) * nd, dtype)
-        w = _t((4, 3) + (3,) * nd, dtype)
-        yield (x, w, _t((4,), dtype)), {}
-        yield (x, w, None, 2, 1), {}
-        yield (x, _t((4, 3) + (2,) * nd, dtype)), {"padding": "same"}
-        yield (_t((4, 6) + (5,) * nd, dtype), _t((2, 3) + (3,) * nd, dtype)), \
-            {"groups": 2, "dilation": 2}
+        def jvp(primals, tangents):
+            x, w, b, stride, padding, dilation, groups = primals
+            tx, tw, tb = tangents[:3]
+            out = op(x, w, b, stride, padding, dilation, groups)
+            t = None if tx is None else op(tx, w, None, stride, padding, dilation, groups)
+            if tw is not None or tb is not None:
+                tw = torch.zeros_like(w) if tw is None else tw
+                t2 = op(x, tw, tb, stride, padding, dilation, groups)
+                t = t2 if t is None else t + t2
+            return out, t
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
-             source=f"{name}(x, w, b): d_x = conv{nd}d_input(x.shape, w, d) (the transposed "
-                    f"convolution), d_w = conv{nd}d_weight(x, w.shape, d), d_b = sum(d) over "
-                    "all but the channel dim; 'same' padding is applied explicitly and cropped "
-                    "back (derivatives.yaml `convolution`: convolution_backward)")
+        def samples(dtype):
+            x = _t((2, 3) + (5,) * nd, dtype)
+            w = _t((4, 3) + (3,) * nd, dtype)
+            yield (x, w, _t((4,), dtype)), {}
+            yield (x, w, None, 2, 1), {}
+            yield (x, _t((4, 3) + (2,) * nd, dtype)), {"padding": "same"}
+            yield (_t((4, 6) + (5,) * nd, dtype), _t((2, 3) + (3,) * nd, dtype)), \
+                {"groups": 2, "dilation": 2}
 
-
-_conv_rule(torch.conv1d, 1)
-_conv_rule(torch.conv3d, 3)
+    return Conv
 
 
-def _conv_transpose_rule(op: Any, nd: int) -> None:
+register_vjp(torch.conv1d)(_conv_rule(torch.conv1d, 1))
+register_vjp(torch.conv3d)(_conv_rule(torch.conv3d, 3))
+
+
+def _conv_transpose_rule(op: Any, nd: int) -> type:
     conv = getattr(torch, f"conv{nd}d")
     grad_w = getattr(torch.nn.grad, f"conv{nd}d_weight")
     name = f"conv_transpose{nd}d"
 
-    def fwd(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1,
-            dilation=1):
-        out = op(input, weight, bias, stride, padding, output_padding, groups, dilation)
-        return out, (input, weight, bias is not None, stride, padding, groups, dilation)
+    class ConvTranspose:
+        source = (f"{name}(x, w, b) is the adjoint of conv{nd}d in its input: "
+                  f"d_x = conv{nd}d(d, w), d_w = conv{nd}d_weight(d, w.shape, x), "
+                  "d_b = sum(d) over all but the channel dim (derivatives.yaml "
+                  "`convolution` with transposed=True: convolution_backward)")
 
-    def bwd(aux, d):
-        x, w, has_bias, stride, padding, groups, dilation = aux
-        unbatched = x.dim() == nd + 1
-        if unbatched:
-            x, d = torch.unsqueeze(x, 0), torch.unsqueeze(d, 0)
-        d_x = conv(d, w, None, stride, padding, dilation, groups)
-        extra = [d_x.shape[2 + i] - x.shape[2 + i] for i in range(nd)]
-        xw = x
-        if any(extra):  # output_padding >= stride (allowed below dilation): conv(d) is larger
-            d_x = d_x[(slice(None), slice(None)) + tuple(slice(0, x.shape[2 + i])
-                                                         for i in range(nd))]
-            xw = F.pad(x, [v for e in reversed(extra) for v in (0, e)])
-        d_w = _emit(grad_w, d, tuple(w.shape), xw, stride, padding, dilation, groups)
-        if unbatched:
-            d_x = torch.squeeze(d_x, 0)
-        d_b = torch.sum(d, [0] + list(range(2, nd + 2))) if has_bias else None
-        return d_x, d_w, d_b
+        def fwd(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1,
+                dilation=1):
+            out = op(input, weight, bias, stride, padding, output_padding, groups, dilation)
+            return out, (input, weight, bias is not None, stride, padding, groups, dilation)
 
-    def jvp(primals, tangents):
-        x, w, b, stride, padding, output_padding, groups, dilation = primals
-        tx, tw, tb = tangents[:3]
-        rest = (stride, padding, output_padding, groups, dilation)
-        out = op(x, w, b, *rest)
-        t = None if tx is None else op(tx, w, None, *rest)
-        if tw is not None or tb is not None:
-            tw = torch.zeros_like(w) if tw is None else tw
-            t2 = op(x, tw, tb, *rest)
-            t = t2 if t is None else t + t2
-        return out, t
+        def bwd(aux, d):
+            x, w, has_bias, stride, padding, groups, dilation = aux
+            unbatched = x.dim() == nd + 1
+            if unbatched:
+                x, d = torch.unsqueeze(x, 0), torch.unsqueeze(d, 0)
+            d_x = conv(d, w, None, stride, padding, dilation, groups)
+            extra = [d_x.shape[2 + i] - x.shape[2 + i] for i in range(nd)]
+            xw = x
+            if any(extra):  # output_padding >= stride (allowed below dilation): conv(d) is larger
+                d_x = d_x[(slice(None), slice(None)) + tuple(slice(0, x.shape[2 + i])
+                                                             for i in range(nd))]
+                xw = F.pad(x, [v for e in reversed(extra) for v in (0, e)])
+            d_w = _emit(grad_w, d, tuple(w.shape), xw, stride, padding, dilation, groups)
+            if unbatched:
+                d_x = torch.squeeze(d_x, 0)
+            d_b = torch.sum(d, [0] + list(range(2, nd + 2))) if has_bias else None
+            return d_x, d_w, d_b
 
-    def samples(dtype):
-        x = _t((2, 4) + (4,) * nd, dtype)
-        w = _t((4, 3) + (3,) * nd, dtype)
-        yield (x, w, _t((3,), dtype)), {}
-        yield (x, w, None, 2, 1, 1), {}
-        yield (x, _t((4, 2) + (3,) * nd, dtype), None, 1, 0, 0, 2, 2), {}
-        yield (x, w, None, 1, 0, 1, 1, 2), {}  # output_padding >= stride
+        def jvp(primals, tangents):
+            x, w, b, stride, padding, output_padding, groups, dilation = primals
+            tx, tw, tb = tangents[:3]
+            rest = (stride, padding, output_padding, groups, dilation)
+            out = op(x, w, b, *rest)
+            t = None if tx is None else op(tx, w, None, *rest)
+            if tw is not None or tb is not None:
+                tw = torch.zeros_like(w) if tw is None else tw
+                t2 = op(x, tw, tb, *rest)
+                t = t2 if t is None else t + t2
+            return out, t
 
-    add_rule(op, fwd, bwd, jvp=jvp, samples=samples, builtin=True,
-             source=f"{name}(x, w, b) is the adjoint of conv{nd}d in its input: "
-                    f"d_x = conv{nd}d(d, w), d_w = conv{nd}d_weight(d, w.shape, x), "
-                    "d_b = sum(d) over all but the channel dim (derivatives.yaml "
-                    "`convolution` with transposed=True: convolution_backward)")
+        def samples(dtype):
+            x = _t((2, 4) + (4,) * nd, dtype)
+            w = _t((4, 3) + (3,) * nd, dtype)
+            yield (x, w, _t((3,), dtype)), {}
+            yield (x, w, None, 2, 1, 1), {}
+            yield (x, _t((4, 2) + (3,) * nd, dtype), None, 1, 0, 0, 2, 2), {}
+            yield (x, w, None, 1, 0, 1, 1, 2), {}  # output_padding >= stride
 
-
-_conv_transpose_rule(torch.conv_transpose1d, 1)
-_conv_transpose_rule(torch.conv_transpose2d, 2)
-_conv_transpose_rule(torch.conv_transpose3d, 3)
+    return ConvTranspose
 
 
-@builtin_verbatim(F.unfold)
+register_vjp(torch.conv_transpose1d)(_conv_transpose_rule(torch.conv_transpose1d, 1))
+register_vjp(torch.conv_transpose2d)(_conv_transpose_rule(torch.conv_transpose2d, 2))
+register_vjp(torch.conv_transpose3d)(_conv_transpose_rule(torch.conv_transpose3d, 3))
+
+
+@register_vjp(F.unfold)
 class Im2Col:
     """unfold(x, kernel, dilation, padding, stride) (im2col): d_x = fold(d, x.shape[-2:],
     kernel, dilation, padding, stride) (col2im; derivatives.yaml `im2col`)."""
@@ -270,7 +274,7 @@ class Im2Col:
         yield (_t((3, 6, 5), dtype), (2, 3), 1, 1, 2), {}
 
 
-@builtin_verbatim(F.fold)
+@register_vjp(F.fold)
 class Col2Im:
     """fold(x, output_size, kernel, dilation, padding, stride) (col2im): d_x = unfold(d,
     kernel, dilation, padding, stride) (derivatives.yaml `col2im`)."""
@@ -304,7 +308,7 @@ def _make(nd: int) -> None:
             g_shape = conv(x, torch.zeros(w_shape, dtype=dtype), None, **kw).shape
             yield (x, tuple(w_shape), randn(*g_shape, dtype=dtype)), kw
 
-    @builtin(grad_in)
+    @register_vjp(grad_in)
     class ConvInput:
         __doc__ = (f"conv{nd}d_input(x_shape, w, g) = B(w, g), the adjoint of conv{nd}d in its "
                    "input: d_w = conv_weight(d, w.shape, g), d_g = conv(d, w) (module "
@@ -333,7 +337,7 @@ def _make(nd: int) -> None:
 
         samples = samples_in
 
-    @builtin(grad_w)
+    @register_vjp(grad_w)
     class ConvWeight:
         __doc__ = (f"conv{nd}d_weight(x, w_shape, g) = W(x, g), the adjoint of conv{nd}d in its "
                    "weight: d_x = conv_input(x.shape, d, g), d_g = conv(x, d) (module "

@@ -11,11 +11,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._base import builtin, pnorm_grad, randn, _t
-from ._common import builtin_verbatim
+from .._base import pnorm_grad, randn, _t
+from ..registry import register_vjp
 
 
-@builtin_verbatim(F.cosine_similarity)
+@register_vjp(F.cosine_similarity)
 class CosineSimilarity:
     """cosine_similarity(a, b, dim, eps) = sum(a b, dim) / (max(|a|, eps) max(|b|, eps)) with
     a, b broadcast: d_a = d (b / (|a||b|) - cos a / |a|^2) (the norms' eps clamps are made
@@ -46,7 +46,7 @@ class CosineSimilarity:
         yield (_t((3, 4, 2), dtype), _t((4, 2), dtype), -1), {}
 
 
-@builtin_verbatim(F.pairwise_distance)
+@register_vjp(F.pairwise_distance)
 class PairwiseDistance:
     """pairwise_distance(a, b, p, eps, keepdim) = ||a - b + eps||_p over the last dim:
     d_a = dn/dz, d_b = -dn/dz (derivatives.yaml `linalg_vector_norm`)."""
@@ -70,7 +70,7 @@ class PairwiseDistance:
         yield (_t((3, 4), dtype), _t((4,), dtype), 1.5), {"keepdim": True}
 
 
-@builtin(torch.cdist)
+@register_vjp(torch.cdist)
 class Cdist:
     """cdist(x1, x2, p)[..., i, j] = ||x1_i - x2_j||_p: with g_ij the p-norm cotangent of
     x1_i - x2_j, d_x1 = sum_j g_ij, d_x2 = -sum_i g_ij (derivatives.yaml `_cdist_forward`:
@@ -92,7 +92,7 @@ class Cdist:
         yield (randn(3, 4, dtype=dtype), randn(5, 4, dtype=dtype), math.inf), {}
 
 
-@builtin(torch.nn.functional.pdist)
+@register_vjp(torch.nn.functional.pdist)
 class Pdist:
     """pdist(x, p)[k] = ||x_i - x_j||_p over the pairs i < j (row-major): with g_k the p-norm
     cotangent of x_i - x_j, d_x = index_add of g_k at i minus at j (derivatives.yaml

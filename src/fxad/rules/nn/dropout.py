@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._base import builtin, randn
+from .._base import randn
+from ..registry import register_vjp
 from ._common import _aten
 
 # SELU's negative saturation value (alpha * scale), as in Dropout.cpp
@@ -153,7 +154,7 @@ def _register(op: Any, *, feature: bool, alpha: bool, unbatched_dims: int | None
         "__doc__": doc, "fwd": staticmethod(fwd), "bwd": staticmethod(bwd),
         "jvp": staticmethod(jvp), "samples": staticmethod(samples),
         "residuals": "intermediates", "recompute": False})
-    builtin(op)(cls)
+    register_vjp(op)(cls)
 
 
 _DROPOUT_DOC = (
@@ -218,7 +219,7 @@ def _native_dropout_fwd(input: Any, p: float, train: Any) -> tuple[Any, Any]:
     return both, (both[1], 0.0 if p == 1 else 1.0 / (1 - p))
 
 
-@builtin(torch.native_dropout)
+@register_vjp(torch.native_dropout)
 class NativeDropout:
     """``torch.native_dropout(x, p, train) -> (y, mask)``: the generated forward calls the op
     itself (the same kernel and draws as eager under the same seed: on the CPU
@@ -256,7 +257,7 @@ class NativeDropout:
         yield (x.mT, 0.6, True), {}
 
 
-@builtin(_aten.native_dropout_backward.default)
+@register_vjp(_aten.native_dropout_backward.default)
 class NativeDropoutBackward:
     """native_dropout_backward(g, mask, scale) = g mask scale: linear in g, so
     d_g = d mask scale and t_out = t mask scale (derivatives.yaml

@@ -17,14 +17,15 @@ import torch.nn.functional as F
 
 from ...errors import RuleError
 from .. import fused
-from .._base import builtin, randn, _error
+from .._base import randn, _error
+from ..registry import register_vjp
 from ._common import _bound
 
 
 # --- embedding ------------------------------------------------------------------------------
 
 
-@builtin(F.embedding)
+@register_vjp(F.embedding)
 class Embedding:
     """y = weight[idx]: d_weight = zeros_like(weight).index_add(0, idx.flatten(), d rows)
     (with fused kernels on: ``torch.ops.aten.embedding_dense_backward``, one kernel);
@@ -139,7 +140,7 @@ def _bag_max_first(weight, out, idx, bag, valid, n_bags):
     return cand & (pos == first[bag])
 
 
-@builtin(F.embedding_bag)
+@register_vjp(F.embedding_bag)
 class EmbeddingBag:
     """embedding_bag (derivatives.yaml `_embedding_bag`: _embedding_bag_backward and
     _embedding_bag_per_sample_weights_backward): d_weight = index_add over the bag entries of

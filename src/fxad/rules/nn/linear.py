@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._base import builtin, conj, randn, _t
-from ._common import builtin_verbatim
+from .._base import conj, randn, _t
+from ..registry import register_vjp
 
 
-@builtin(F.linear)
+@register_vjp(F.linear)
 class Linear:
     """linear(x, W, b) = x W^T + b: d_x = d @ W, d_W = d^T x (leading dims flattened),
     d_b = d summed over leading dims (derivatives.yaml `linear` via addmm / matmul)."""
@@ -55,7 +55,7 @@ class Linear:
         yield (randn(4, dtype=dtype), randn(5, 4, dtype=dtype), randn(5, dtype=dtype)), {}
 
 
-@builtin_verbatim(F.bilinear)
+@register_vjp(F.bilinear)
 class Bilinear:
     """bilinear(a, b, W, bias) = a^T W_o b + bias_o: d_a = einsum(d, W, b), d_b = einsum(d, W,
     a), d_W = einsum(d, a, b), d_bias = sum(d) (derivatives.yaml via `_trilinear`)."""

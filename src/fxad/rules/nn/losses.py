@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import fused
-from .._base import builtin, pnorm_grad, randn, uniform, value_of, _add, _error, _is_t, _t
-from ._common import builtin_verbatim, _bound, _mul
+from .._base import pnorm_grad, randn, uniform, value_of, _add, _error, _is_t, _t
+from ..registry import register_vjp
+from ._common import _bound, _mul
 
 
 def _legacy_reduction(op: str, size_average: Any, reduce: Any, reduction: str) -> str:
@@ -50,15 +50,16 @@ _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}  # at::Reduction
 
 
 def _fused_cross_entropy(input: Any, target: Any, weight: Any, label_smoothing: float) -> bool:
-    """Whether :class:`CrossEntropy` takes its fused path (level ``"all"``; see there)."""
+    """Whether :class:`CrossEntropyFused` applies (at level ``"all"``; see
+    :class:`CrossEntropy`)."""
     x, t = value_of(input), value_of(target)
-    return (fused.enabled("all") and weight is None and not label_smoothing
+    return (weight is None and not label_smoothing
             and isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor)
             and x.is_floating_point() and x.dim() in (1, 2) and t.dtype == torch.int64
             and t.dim() == x.dim() - 1)
 
 
-@builtin(F.cross_entropy)
+@register_vjp(F.cross_entropy)
 class CrossEntropy:
     """Cross-entropy of logits x (classes at dim 1, or dim 0 for an unbatched ``(C,)`` input),
     with P = softmax(x) and G the cotangent of log_softmax(x): d_x = G - P * sum_c G.
@@ -95,11 +96,6 @@ class CrossEntropy:
             reduction="mean", label_smoothing=0.0):
         reduction = _legacy_reduction("torch.nn.functional.cross_entropy", size_average,
                                       reduce, reduction)
-        if _fused_cross_entropy(input, target, weight, label_smoothing):
-            lsm = torch.log_softmax(input, input.dim() - 1)
-            red = _REDUCTION_ENUM[reduction]
-            nll = torch.ops.aten.nll_loss_forward(lsm, target, None, red, ignore_index)
-            return nll[0], ("fused", lsm, target, red, ignore_index, nll[1])
         kw: dict[str, Any] = {}
         if weight is not None:
             kw["weight"] = weight
@@ -113,13 +109,6 @@ class CrossEntropy:
         return out, (input, target, weight, ignore_index, reduction, label_smoothing, out)
 
     def bwd(aux, d):
-        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
-            _, lsm, target, red, ignore_index, total_weight = aux
-            d_lsm = torch.ops.aten.nll_loss_backward(d, lsm, target, None, red, ignore_index,
-                                                     total_weight)
-            d_x = torch.ops.aten._log_softmax_backward_data(d_lsm, lsm, lsm.dim() - 1,
-                                                            value_of(lsm).dtype)
-            return d_x, None, None
         x, target, w, ignore_index, reduction, eps, out = aux
         cdim = 0 if x.dim() == 1 else 1
         C = x.shape[cdim]
@@ -201,7 +190,41 @@ class CrossEntropy:
                uniform((3,), 0.5, 2.0, dtype)), {"label_smoothing": 0.3}
 
 
-@builtin(F.mse_loss)
+@register_vjp(F.cross_entropy)
+class CrossEntropyFused:
+    """At fused level ``"all"``, (N, C) or (C,) logits with int64 class indices, no class
+    weights and no label smoothing: ``lsm = torch.log_softmax(x, -1)`` and
+    ``torch.ops.aten.nll_loss_forward`` (which also returns W, the total weight); backward
+    ``torch.ops.aten.nll_loss_backward`` then ``torch.ops.aten._log_softmax_backward_data``
+    (see :class:`CrossEntropy`)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
+    fused = "all"
+
+    def applies(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                reduction="mean", label_smoothing=0.0):
+        return _fused_cross_entropy(input, target, weight, label_smoothing)
+
+    def fwd(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+            reduction="mean", label_smoothing=0.0):
+        reduction = _legacy_reduction("torch.nn.functional.cross_entropy", size_average,
+                                      reduce, reduction)
+        lsm = torch.log_softmax(input, input.dim() - 1)
+        red = _REDUCTION_ENUM[reduction]
+        nll = torch.ops.aten.nll_loss_forward(lsm, target, None, red, ignore_index)
+        return nll[0], (lsm, target, red, ignore_index, nll[1])
+
+    def bwd(aux, d):
+        lsm, target, red, ignore_index, total_weight = aux
+        d_lsm = torch.ops.aten.nll_loss_backward(d, lsm, target, None, red, ignore_index,
+                                                 total_weight)
+        d_x = torch.ops.aten._log_softmax_backward_data(d_lsm, lsm, lsm.dim() - 1,
+                                                        value_of(lsm).dtype)
+        return d_x, None, None
+
+
+@register_vjp(F.mse_loss)
 class MseLoss:
     """l = w (x - t)^2 reduced: d_x = 2 a w (x - t), d_t = -d_x with a = d (none, sum) or
     d / n (mean; n = numel, or sum(w) when weighted); d_w = a ((x - t)^2 - L) for mean, else
@@ -290,7 +313,7 @@ def _weighted(g, loss_el, w, r):
     return g * w, r * loss_el
 
 
-@builtin_verbatim(F.l1_loss)
+@register_vjp(F.l1_loss)
 class L1Loss:
     """l1_loss = reduce(w |x - t|): d_x = r w sgn(x - t), d_t = -d_x, d_w = r |x - t|
     (derivatives.yaml `abs` through the composite l1_loss)."""
@@ -312,7 +335,7 @@ class L1Loss:
         yield from _pair_samples(dtype)
 
 
-@builtin_verbatim(F.smooth_l1_loss)
+@register_vjp(F.smooth_l1_loss)
 class SmoothL1Loss:
     """smooth_l1_loss(beta): d_x = r * (z / beta if |z| <= beta else sgn(z)), z = x - t;
     d_t = -d_x (derivatives.yaml `smooth_l1_loss`: smooth_l1_loss_backward)."""
@@ -337,7 +360,7 @@ class SmoothL1Loss:
         yield (_t((3, 4), dtype), _t((3, 4), dtype)), {"beta": 0.5}
 
 
-@builtin_verbatim(F.huber_loss)
+@register_vjp(F.huber_loss)
 class HuberLoss:
     """huber_loss(delta): d_x = r w clamp(z, -delta, delta), z = x - t; d_t = -d_x
     (derivatives.yaml `huber_loss`: huber_loss_backward)."""
@@ -363,7 +386,7 @@ class HuberLoss:
         yield (_t((3, 4), dtype), _t((3, 4), dtype)), {"delta": 0.5}
 
 
-@builtin_verbatim(F.soft_margin_loss)
+@register_vjp(F.soft_margin_loss)
 class SoftMarginLoss:
     """soft_margin_loss = reduce(log(1 + exp(-t x))): d_x = -r t sigmoid(-t x),
     d_t = -r x sigmoid(-t x) (derivatives.yaml `soft_margin_loss`)."""
@@ -384,7 +407,7 @@ class SoftMarginLoss:
                                          "reduction": red}
 
 
-@builtin_verbatim(F.margin_ranking_loss)
+@register_vjp(F.margin_ranking_loss)
 class MarginRankingLoss:
     """margin_ranking_loss = reduce(clamp_min(-y (a - b) + margin, 0)): with m = (z >= 0),
     d_a = -r y m, d_b = r y m, d_y = -r (a - b) m (composite; `clamp_min`'s mask)."""
@@ -408,7 +431,7 @@ class MarginRankingLoss:
             {"reduction": "sum"}
 
 
-@builtin_verbatim(F.binary_cross_entropy)
+@register_vjp(F.binary_cross_entropy)
 class BinaryCrossEntropy:
     """bce = reduce(-w (t log x + (1 - t) log(1 - x))), logs clamped at -100:
     d_x = r w (x - t) / max(x (1 - x), 1e-12), d_t = r w (log(1 - x) - log x) (clamped)
@@ -435,7 +458,7 @@ class BinaryCrossEntropy:
         yield (_t((3, 4), dtype, 0.1, 0.9), _t((3, 4), dtype, 0.0, 1.0)), {"reduction": "none"}
 
 
-@builtin_verbatim(F.binary_cross_entropy_with_logits)
+@register_vjp(F.binary_cross_entropy_with_logits)
 class BCEWithLogits:
     """bce_with_logits = reduce(-w (pw t logsigmoid(x) + (1 - t) logsigmoid(-x))):
     d_x = r w ((pw t + 1 - t) sigmoid(x) - pw t), d_t = r w (logsigmoid(-x) - pw logsigmoid(x))
@@ -478,7 +501,7 @@ class BCEWithLogits:
         yield (_t((3, 4), dtype), _t((3, 4), dtype, 0.0, 1.0)), {"weight": _t((4,), dtype)}
 
 
-@builtin_verbatim(F.kl_div)
+@register_vjp(F.kl_div)
 class KLDiv:
     """kl_div(x, t) = reduce(t (log t - x)) (or exp(t) (t - x) with log_target):
     d_x = -r t (-r exp(t)), d_t = r (log t + 1 - x) (r exp(t) (t + 1 - x)); 'batchmean'
@@ -507,7 +530,7 @@ class KLDiv:
                                                        "log_target": True}
 
 
-@builtin_verbatim(F.nll_loss)
+@register_vjp(F.nll_loss)
 class NLLLoss:
     """nll_loss(x, t, w) = reduce(-w[t] x[t]) over non-ignored targets, class dim 1 (0 for a
     1-d input): d_x = zeros with -r w[t] scattered at t; 'mean' divides by sum(w[t])
@@ -539,7 +562,7 @@ class NLLLoss:
         yield (_t((2, 4, 3), dtype), torch.tensor([[0, 3, 1], [2, 2, 0]])), {"reduction": "none"}
 
 
-@builtin_verbatim(F.poisson_nll_loss)
+@register_vjp(F.poisson_nll_loss)
 class PoissonNLLLoss:
     """poisson_nll_loss: log_input: l = exp(x) - t x, d_x = exp(x) - t, d_t = -x; else
     l = x - t log(x + eps), d_x = 1 - t / (x + eps), d_t = -log(x + eps); full adds the
@@ -568,7 +591,7 @@ class PoissonNLLLoss:
             {"reduction": "sum"}
 
 
-@builtin_verbatim(F.hinge_embedding_loss)
+@register_vjp(F.hinge_embedding_loss)
 class HingeEmbeddingLoss:
     """hinge_embedding_loss = reduce(where(t != 1, clamp_min(margin - x, 0), 0)
     + where(t != -1, x, 0)): d_x = r ((t != -1) - (t != 1)(margin - x >= 0)); the target
@@ -589,7 +612,7 @@ class HingeEmbeddingLoss:
         yield (_t((3, 4), dtype),), {"target": torch.sign(_t((3, 4), dtype))}
 
 
-@builtin_verbatim(F.multilabel_soft_margin_loss)
+@register_vjp(F.multilabel_soft_margin_loss)
 class MultilabelSoftMarginLoss:
     """multilabel_soft_margin_loss = reduce(mean over classes of -w (t logsigmoid(x)
     + (1 - t) logsigmoid(-x))): d_x = r w (sigmoid(x) - t) / C, d_t = -r w x / C
@@ -622,7 +645,7 @@ class MultilabelSoftMarginLoss:
         yield (_t((3, 4), dtype), _t((3, 4), dtype, 0.0, 1.0)), {"reduction": "none"}
 
 
-@builtin_verbatim(F.cosine_embedding_loss)
+@register_vjp(F.cosine_embedding_loss)
 class CosineEmbeddingLoss:
     """cosine_embedding_loss: cos = sum(a b) / sqrt((|a|^2 + e)(|b|^2 + e)), e = 1e-12;
     l = 1 - cos (y = 1), clamp_min(cos - margin, 0) (y = -1): dl/dcos = -1 or
@@ -655,7 +678,7 @@ class CosineEmbeddingLoss:
                                                    "margin": -0.5, "reduction": "sum"}
 
 
-@builtin_verbatim(F.triplet_margin_loss)
+@register_vjp(F.triplet_margin_loss)
 class TripletMarginLoss:
     """triplet_margin_loss = reduce(clamp_min(margin + d(a, p) - d_neg, 0)), d = pairwise
     p-norm distance, d_neg = d(a, n) or min(d(a, n), d(p, n)) with swap (ties split): each
@@ -747,7 +770,7 @@ def _nn_reduction(op: str, size_average: Any, reduce: Any, reduction: str) -> st
     return _legacy_reduction(op, size_average, reduce, reduction)
 
 
-@builtin(F.multi_margin_loss)
+@register_vjp(F.multi_margin_loss)
 class MultiMarginLoss:
     """multi_margin_loss(x, y, p, margin, w): per sample
     loss_n = w[y] / C sum_{i != y} max(0, margin - x[y] + x[i])^p.  With z_i the hinge
@@ -816,7 +839,7 @@ def _multilabel_parts(x: Any, target: Any) -> tuple[Any, int]:
     return (act.sum(1) - pulled) / c, n
 
 
-@builtin(F.multilabel_margin_loss)
+@register_vjp(F.multilabel_margin_loss)
 class MultilabelMarginLoss:
     """multilabel_margin_loss(x, y): per sample
     loss = 1/C sum_{j} sum_{i not in targets} max(0, 1 - (x[y_j] - x[i])), j running over the
@@ -885,7 +908,7 @@ def _lce_chunked(w: Any, target: Any, reduction: str, label_smoothing: float,
             and label_smoothing == 0.0 and target.dtype == torch.int64 and w.dim() == 2)
 
 
-@builtin(F.linear_cross_entropy)
+@register_vjp(F.linear_cross_entropy)
 class LinearCrossEntropy:
     """linear_cross_entropy(x, W, target, linear_bias=b, ...) = cross_entropy(linear(x, W, b)
     reshaped to (N, C, d...), target, ...).  The cotangent G of the logits is the
@@ -984,7 +1007,7 @@ def _gnll_var(input: Any, var: Any) -> tuple[Any, bool]:
     return var, False
 
 
-@builtin(F.gaussian_nll_loss)
+@register_vjp(F.gaussian_nll_loss)
 class GaussianNLLLoss:
     """gaussian_nll_loss: l = (log v + (x - y)^2 / v) / 2, v = max(var, eps);
     d_x = (x - y) / v, d_y = -d_x, d_var = (1/v - (x - y)^2 / v^2) / 2 times the (reduced)
@@ -1172,7 +1195,7 @@ def _ctc_weights(d: Any, tl: Any, n: int, reduction: str, dtype: Any) -> Any:
     return d / (torch.clamp(tl, min=1).to(dtype) * n)
 
 
-@builtin(torch.nn.functional.ctc_loss)
+@register_vjp(torch.nn.functional.ctc_loss)
 class CtcLoss:
     """ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction,
     zero_infinity): the gradient of each sequence's loss by the CTC forward-backward (alpha-beta)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
-from .. import fused
-from .._base import builtin, pnorm_grad, randn, uniform, _add, _t
-from ._common import builtin_verbatim, _aten, _bound, _mul
+from .._base import pnorm_grad, randn, uniform, _add, _t
+from ..registry import register_vjp
+from ._common import _aten, _bound, _mul
 
 
 def _channel_shape(x: Any) -> tuple[int, ...]:
@@ -58,7 +59,7 @@ def _standardize(x: Any, dims: tuple[int, ...], eps: float) -> tuple[Any, Any]:
     return (x - mean) * rstd, rstd
 
 
-@builtin(F.layer_norm)
+@register_vjp(F.layer_norm)
 class LayerNorm:
     """y = xhat * w + b with xhat = (x - mean) / sqrt(var + eps) over the trailing
     ``normalized_shape`` dims (biased var).  With g = d * w:
@@ -70,20 +71,10 @@ class LayerNorm:
 
     def fwd(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         dims = tuple(range(input.dim() - len(tuple(normalized_shape)), input.dim()))
-        if fused.enabled():
-            # save mean and rstd from the forward kernel for the fused backward kernel
-            out, mean, rstd = torch.native_layer_norm(input, list(normalized_shape), weight,
-                                                      bias, eps)
-            return out, ("fused", input, list(normalized_shape), mean, rstd, weight, bias)
         out = F.layer_norm(input, normalized_shape, weight, bias, eps)
         return out, (input, weight, bias is not None, dims, eps)
 
     def bwd(aux, d):
-        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
-            _, x, shape, mean, rstd, w, b = aux
-            d_x, d_w, d_b = torch.ops.aten.native_layer_norm_backward(
-                d, x, shape, mean, rstd, w, b, [True, w is not None, b is not None])
-            return d_x, None, d_w, d_b
         x, w, has_bias, dims, eps = aux
         xhat, rstd = _standardize(x, dims, eps)
         d_x = _normalize_vjp(_mul(d, w), xhat, rstd, dims)
@@ -111,12 +102,39 @@ class LayerNorm:
         yield (randn(6, dtype=dtype), [6], None, randn(6, dtype=dtype)), {}
 
 
+@register_vjp(F.layer_norm)
+class LayerNormFused:
+    """The forward kernel ``torch.native_layer_norm`` saves mean and rstd for the fused
+    backward kernel ``native_layer_norm_backward`` (``docs/fused_kernels.md``)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
+    fused = True
+
+    def fwd(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        out, mean, rstd = torch.native_layer_norm(input, list(normalized_shape), weight, bias,
+                                                  eps)
+        return out, (input, list(normalized_shape), mean, rstd, weight, bias)
+
+    def bwd(aux, d):
+        x, shape, mean, rstd, w, b = aux
+        d_x, d_w, d_b = torch.ops.aten.native_layer_norm_backward(
+            d, x, shape, mean, rstd, w, b, [True, w is not None, b is not None])
+        return d_x, None, d_w, d_b
+
+    jvp = LayerNorm.jvp
+
+
 def _is_buffer(t: Any) -> bool:
-    """None or a module buffer read (``get_attr``): never differentiated."""
-    return t is None or (isinstance(t, fx.Proxy) and t.node.op == "get_attr")
+    """None or a module buffer read (``get_attr``): never differentiated.  ``t`` is a proxy
+    in a rule's ``fwd``; in a selector (``applies``) a module buffer is the module's own
+    tensor (constants are passed as they are), any other tensor a fake one."""
+    if isinstance(t, fx.Proxy):
+        return t.node.op == "get_attr"
+    return t is None or (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor))
 
 
-@builtin(F.batch_norm)
+@register_vjp(F.batch_norm)
 class BatchNorm:
     """y = xhat * w + b per channel (dim 1).  Training: xhat uses the biased batch statistics
     over all dims but 1, and with g = d * w,
@@ -134,28 +152,12 @@ class BatchNorm:
 
     def fwd(input, running_mean, running_var, weight=None, bias=None, training=False,
             momentum=0.1, eps=1e-5):
-        if fused.enabled() and all(_is_buffer(s) for s in (running_mean, running_var)):
-            # saves the batch mean / inverse std for the fused backward kernel
-            # (docs/fused_kernels.md); updates running statistics in place like F.batch_norm
-            out, save_mean, save_invstd = torch.native_batch_norm(
-                input, weight, bias, running_mean, running_var, training, momentum, eps)
-            # in training the backward kernel reads only the batch statistics (save_mean,
-            # save_invstd), not the running ones, which the forward has just updated
-            rm, rv = (None, None) if training is True else (running_mean, running_var)
-            return out, ("fused", input, weight, bias is not None, rm, rv,
-                         save_mean, save_invstd, training, eps)
         out = F.batch_norm(input, running_mean, running_var, weight=weight, bias=bias,
                            training=training, momentum=momentum, eps=eps)
         stats = None if training else (running_mean, running_var)
         return out, (input, stats, weight, bias is not None, eps)
 
     def bwd(aux, d):
-        if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
-            _, x, w, has_bias, rm, rv, save_mean, save_invstd, training, eps = aux
-            d_x, d_w, d_b = torch.ops.aten.native_batch_norm_backward(
-                d, x, w, rm, rv, save_mean, save_invstd, training, eps,
-                [True, w is not None, has_bias])
-            return d_x, None, None, d_w, d_b
         x, stats, w, has_bias, eps = aux
         dims = (0,) + tuple(range(2, x.dim()))
         wc = None if w is None else _per_channel(w, x)
@@ -213,7 +215,42 @@ class BatchNorm:
         yield (randn(2, c, 3, 3, dtype=dtype), None, None), {"training": True}
 
 
-@builtin_verbatim(F.normalize)
+@register_vjp(F.batch_norm)
+class BatchNormFused:
+    """Running statistics that are module buffers (or None): ``torch.native_batch_norm``
+    saves the batch mean / inverse std for the fused backward kernel
+    ``native_batch_norm_backward`` (``docs/fused_kernels.md``) and updates the running
+    statistics in place like ``F.batch_norm``."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
+    fused = True
+
+    def applies(input, running_mean, running_var, weight=None, bias=None, training=False,
+                momentum=0.1, eps=1e-5):
+        return _is_buffer(running_mean) and _is_buffer(running_var)
+
+    def fwd(input, running_mean, running_var, weight=None, bias=None, training=False,
+            momentum=0.1, eps=1e-5):
+        out, save_mean, save_invstd = torch.native_batch_norm(
+            input, weight, bias, running_mean, running_var, training, momentum, eps)
+        # in training the backward kernel reads only the batch statistics (save_mean,
+        # save_invstd), not the running ones, which the forward has just updated
+        rm, rv = (None, None) if training is True else (running_mean, running_var)
+        return out, (input, weight, bias is not None, rm, rv, save_mean, save_invstd,
+                     training, eps)
+
+    def bwd(aux, d):
+        x, w, has_bias, rm, rv, save_mean, save_invstd, training, eps = aux
+        d_x, d_w, d_b = torch.ops.aten.native_batch_norm_backward(
+            d, x, w, rm, rv, save_mean, save_invstd, training, eps,
+            [True, w is not None, has_bias])
+        return d_x, None, None, d_w, d_b
+
+    jvp = BatchNorm.jvp
+
+
+@register_vjp(F.normalize)
 class Normalize:
     """normalize(x, p, dim, eps) = x / max(||x||_p, eps): d_x = d / n - x sum(d x, dim) / n^2
     * dn/dx where ||x||_p >= eps (dn/dx from derivatives.yaml `linalg_vector_norm`;
@@ -245,7 +282,7 @@ def _wn_dims(v: Any, dim: int) -> list[int]:
     return list(range(v.dim())) if dim == -1 else [i for i in range(v.dim()) if i != dim]
 
 
-@builtin(torch._weight_norm)
+@register_vjp(torch._weight_norm)
 class WeightNorm:
     """_weight_norm(v, g, dim) = v * g / n with n = ||v||_2 over every dim but ``dim`` (the
     whole tensor for dim = -1), kept as size 1 (the weight of
@@ -308,7 +345,7 @@ def _chan(v: Any, ndim: int) -> Any:
     return torch.reshape(v, (-1,) + (1,) * (ndim - 2))
 
 
-@builtin_verbatim(F.group_norm)
+@register_vjp(F.group_norm)
 class GroupNorm:
     """group_norm(x, G, w, b): xhat = (x - mean) / sqrt(var + eps) per (sample, group);
     d_x = rstd (g - mean(g) - xhat mean(g xhat)) with g = d w, d_w = sum(d xhat),
@@ -337,7 +374,7 @@ class GroupNorm:
         yield (randn(2, 4, 2, 3, dtype=dtype), 2), {}
 
 
-@builtin_verbatim(F.rms_norm)
+@register_vjp(F.rms_norm)
 class RMSNorm:
     """rms_norm(x, shape, w, eps): xhat = x / sqrt(mean(x^2) + eps) over the last dims:
     d_x = rstd (g - xhat mean(g xhat)) with g = d w, d_w = sum(d xhat) over the leading dims
@@ -367,7 +404,7 @@ class RMSNorm:
         yield (randn(2, 3, 4, dtype=dtype), (3, 4)), {"eps": 1e-3}
 
 
-@builtin_verbatim(F.instance_norm)
+@register_vjp(F.instance_norm)
 class InstanceNorm:
     """instance_norm(x, rm, rv, w, b, use_input_stats): with input stats, xhat is normalized
     per (sample, channel) and d_x = rstd (g - mean(g) - xhat mean(g xhat)); with running
@@ -418,7 +455,7 @@ def _channel_window_mean(z: Any, size: int, transpose: bool = False) -> Any:
     return torch.movedim(mean.reshape(zc.shape), -1, 1)
 
 
-@builtin(F.local_response_norm)
+@register_vjp(F.local_response_norm)
 class LocalResponseNorm:
     """y = x * b^(-beta), b = k + alpha * W(x^2), W the zero-padded mean over a window of
     ``size`` channels: d_x = d * b^(-beta) - 2 alpha beta x * W^T(d x b^(-beta-1)),
@@ -458,7 +495,7 @@ def _ln_dims(x: Any, normalized_shape: Any) -> tuple[int, ...]:
     return tuple(range(x.dim() - len(tuple(normalized_shape)), x.dim()))
 
 
-@builtin(torch.native_layer_norm)
+@register_vjp(torch.native_layer_norm)
 class NativeLayerNorm:
     """native_layer_norm(x, shape, w, b, eps) -> (y, mean, rstd) with xhat = (x - mean) rstd
     over the trailing ``shape`` dims and y = xhat w + b.  With g = d_y w:
@@ -574,7 +611,7 @@ def _bn_samples(dtype: torch.dtype, with_training: bool = True):
     yield (randn(3, 1, dtype=dtype), None, None, None, None) + tr
 
 
-@builtin(torch.native_batch_norm)
+@register_vjp(torch.native_batch_norm)
 class NativeBatchNorm:
     """native_batch_norm(x, w, b, rm, rv, training, momentum, eps) -> (y, save_mean,
     save_invstd), y = xhat w + b per channel (dim 1).  Training: xhat uses the batch statistics
@@ -629,7 +666,7 @@ def _legit_args(args: tuple, kwargs: dict) -> dict:
     return out
 
 
-@builtin(torch._native_batch_norm_legit)
+@register_vjp(torch._native_batch_norm_legit)
 class NativeBatchNormLegit:
     """_native_batch_norm_legit(x, w, b, [rm, rv,] training, momentum, eps) -> (y, save_mean,
     save_invstd): the same formulas as :class:`NativeBatchNorm` (derivatives.yaml
@@ -677,7 +714,7 @@ class NativeBatchNormLegit:
             dict(stats, training=False, momentum=0.1, eps=1e-5)
 
 
-@builtin(_aten._batch_norm_with_update)
+@register_vjp(_aten._batch_norm_with_update)
 class BatchNormWithUpdate:
     """aten._batch_norm_with_update(x, w, b, rm, rv, momentum, eps) -> (y, save_mean,
     save_rstd, reserve): training-mode batch normalization that updates the running
@@ -722,7 +759,7 @@ def _gn_parts(x: Any, n: int, group: int, m: int, mean: Any, rstd: Any) -> tuple
     return xg, (xg - mean3) * rstd3, rstd3
 
 
-@builtin(torch.native_group_norm)
+@register_vjp(torch.native_group_norm)
 class NativeGroupNorm:
     """native_group_norm(x, w, b, N, C, HxW, G, eps) -> (y, mean, rstd): statistics per
     (sample, group) of M = C/G * HxW entries, y = xhat w + b per channel.  With g = d_y w

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import fused
-from .._base import builtin, randn, _error
+from .._base import randn, _error
+from ..registry import register_vjp
 from ._common import _bound, _contract_spatial, _ntuple, _pair
 
 
@@ -42,13 +42,6 @@ def _max_pool2d_fwd(input, kernel_size, stride, padding, dilation, ceil_mode, re
     both = F.max_pool2d_with_indices(input, kernel_size, stride, padding, dilation,
                                      ceil_mode=ceil_mode, return_indices=True)
     out, idx = both
-    if fused.enabled() and input.dim() == 4:
-        k = _pair(kernel_size, "kernel_size")
-        st = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) \
-            else _pair(stride, "stride")
-        return (both if return_indices else out), (
-            "fused", input, idx, list(k), list(st), list(_pair(padding, "padding")),
-            list(_pair(dilation, "dilation")), bool(ceil_mode))
     return (both if return_indices else out), (input.shape, idx)
 
 
@@ -57,12 +50,37 @@ def _max_pool2d_bwd(aux, d):
         d = d[0]
         if d is None:
             return (None,)
-    if isinstance(aux[0], str):  # "fused": docs/fused_kernels.md
-        _, x, idx, k, st, pad, dil, ceil = aux
-        return (torch.ops.aten.max_pool2d_with_indices_backward(d, x, k, st, pad, dil, ceil, idx),)
     shape, idx = aux
     flat = d.new_zeros(tuple(shape[:-2]) + (shape[-2] * shape[-1],))
     return (flat.scatter_add(-1, idx.flatten(-2), d.flatten(-2)).reshape(shape),)
+
+
+def _max_pool2d_fused_applies(input, *args: Any, **kwargs: Any) -> bool:
+    return input.dim() == 4  # batched input: the fused backward kernel's layout
+
+
+def _max_pool2d_fused_fwd(input, kernel_size, stride, padding, dilation, ceil_mode,
+                          return_indices):
+    """The forward of the fused overloads: the indices and the window parameters are saved
+    for ``max_pool2d_with_indices_backward`` (docs/fused_kernels.md)."""
+    both = F.max_pool2d_with_indices(input, kernel_size, stride, padding, dilation,
+                                     ceil_mode=ceil_mode, return_indices=True)
+    out, idx = both
+    k = _pair(kernel_size, "kernel_size")
+    st = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) \
+        else _pair(stride, "stride")
+    return (both if return_indices else out), (
+        input, idx, list(k), list(st), list(_pair(padding, "padding")),
+        list(_pair(dilation, "dilation")), bool(ceil_mode))
+
+
+def _max_pool2d_fused_bwd(aux, d):
+    if isinstance(d, tuple):
+        d = d[0]
+        if d is None:
+            return (None,)
+    x, idx, k, st, pad, dil, ceil = aux
+    return (torch.ops.aten.max_pool2d_with_indices_backward(d, x, k, st, pad, dil, ceil, idx),)
 
 
 def _max_pool2d_jvp(fwd, primals, tangents, both=False):
@@ -87,7 +105,7 @@ def _max_pool2d_samples(dtype):
     yield (x, 2), {"return_indices": True}
 
 
-@builtin(F.max_pool2d)
+@register_vjp(F.max_pool2d)
 class MaxPool2d:
     """y = max over each window: d_x = scatter_add of d at the argmax indices (from
     ``max_pool2d_with_indices``) into zeros of shape (N, C, H*W), exact for overlapping windows
@@ -109,7 +127,7 @@ class MaxPool2d:
     samples = staticmethod(_max_pool2d_samples)
 
 
-@builtin(F.max_pool2d_with_indices)
+@register_vjp(F.max_pool2d_with_indices)
 class MaxPool2dWithIndices:
     """``F.max_pool2d(..., return_indices=True)`` (same formula as ``F.max_pool2d``;
     derivatives.yaml `max_pool2d_with_indices`)."""
@@ -122,6 +140,42 @@ class MaxPool2dWithIndices:
 
     def jvp(primals, tangents):
         return _max_pool2d_jvp(MaxPool2dWithIndices.fwd, primals, tangents, both=True)
+
+
+@register_vjp(F.max_pool2d)
+class MaxPool2dFused:
+    """A batched (N, C, H, W) input: the fused backward kernel
+    ``max_pool2d_with_indices_backward`` (docs/fused_kernels.md)."""
+
+    residuals = "inputs+intermediates"
+    recompute = False
+    fused = True
+    applies = staticmethod(_max_pool2d_fused_applies)
+
+    def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+            return_indices=False):
+        return _max_pool2d_fused_fwd(input, kernel_size, stride, padding, dilation, ceil_mode,
+                                     return_indices)
+
+    bwd = staticmethod(_max_pool2d_fused_bwd)
+    jvp = MaxPool2d.jvp
+
+
+@register_vjp(F.max_pool2d_with_indices)
+class MaxPool2dWithIndicesFused:
+    """A batched (N, C, H, W) input: the fused backward kernel
+    ``max_pool2d_with_indices_backward`` (docs/fused_kernels.md)."""
+
+    fused = True
+    applies = staticmethod(_max_pool2d_fused_applies)
+
+    def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+            return_indices=False):
+        return _max_pool2d_fused_fwd(input, kernel_size, stride, padding, dilation, ceil_mode,
+                                     True)
+
+    bwd = staticmethod(_max_pool2d_fused_bwd)
+    jvp = MaxPool2dWithIndices.jvp
 
 
 def _sum_pool_adjoint(d: Any, shape: Any, kernel: tuple[int, int], stride: tuple[int, int],
@@ -157,7 +211,7 @@ def _avg_pool_options(stride: Any, padding: Any, ceil_mode: bool, count_include_
     return kw
 
 
-@builtin(F.avg_pool2d)
+@register_vjp(F.avg_pool2d)
 class AvgPool2d:
     """y = window sum / divisor: d_x = the adjoint of the window sum applied to d / divisor,
     i.e. a depthwise ``conv_transpose2d`` of d with a ones kernel (stride, padding and
@@ -221,7 +275,7 @@ class AvgPool2d:
         yield (randn(3, 5, 6, dtype=dtype), 2), {}
 
 
-@builtin(F.adaptive_avg_pool2d)
+@register_vjp(F.adaptive_avg_pool2d)
 class AdaptiveAvgPool2d:
     """Output cell (i, j) averages rows [floor(iH/oh), ceil((i+1)H/oh)) and the matching
     columns.  When oh | H and ow | W this is avg_pool2d with kernel = stride = (H/oh, W/ow),
@@ -341,7 +395,7 @@ def _max_pool3d_samples(dtype):
     yield (x, 2), {"return_indices": True}
 
 
-@builtin(F.max_pool1d)
+@register_vjp(F.max_pool1d)
 class MaxPool1d:
     """y = max over each window: d_x = d scatter-added at the argmax indices (from
     ``max_pool1d_with_indices``); t_y = t gathered there (derivatives.yaml
@@ -361,7 +415,7 @@ class MaxPool1d:
     samples = staticmethod(_max_pool1d_samples)
 
 
-@builtin(F.max_pool1d_with_indices)
+@register_vjp(F.max_pool1d_with_indices)
 class MaxPool1dWithIndices:
     """``F.max_pool1d(..., return_indices=True)``: same formula as ``F.max_pool1d``."""
 
@@ -378,7 +432,7 @@ class MaxPool1dWithIndices:
                              tangents, always_tuple=True)
 
 
-@builtin(F.max_pool3d)
+@register_vjp(F.max_pool3d)
 class MaxPool3d:
     """y = max over each window: d_x = d scatter-added at the argmax indices (from
     ``max_pool3d_with_indices``, indices into the flattened D*H*W dims); t_y = t gathered
@@ -398,7 +452,7 @@ class MaxPool3d:
     samples = staticmethod(_max_pool3d_samples)
 
 
-@builtin(F.max_pool3d_with_indices)
+@register_vjp(F.max_pool3d_with_indices)
 class MaxPool3dWithIndices:
     """``F.max_pool3d(..., return_indices=True)``: same formula as ``F.max_pool3d``."""
 
@@ -471,7 +525,7 @@ def _adaptive_max_rule(nd: int, op: Any, with_indices: Any) -> type:
         f"flattened spatial dims (from ``adaptive_max_pool{nd}d(..., return_indices=True)``); "
         f"t_y = t gathered there (derivatives.yaml `adaptive_max_pool{max(nd, 2)}d`: "
         f"adaptive_max_pool{max(nd, 2)}d_backward).")
-    return builtin(op)(AdaptiveMaxPool)
+    return register_vjp(op)(AdaptiveMaxPool)
 
 
 AdaptiveMaxPool1d = _adaptive_max_rule(1, F.adaptive_max_pool1d,
@@ -493,7 +547,8 @@ AdaptiveMaxPool3dWithIndices = _adaptive_max_rule(3, F.adaptive_max_pool3d_with_
 _MAX_POOL2D_BACKWARD = torch.ops.aten.max_pool2d_with_indices_backward
 
 
-@builtin(_MAX_POOL2D_BACKWARD, _MAX_POOL2D_BACKWARD.default)
+@register_vjp(_MAX_POOL2D_BACKWARD)
+@register_vjp(_MAX_POOL2D_BACKWARD.default)
 class MaxPool2dWithIndicesBackward:
     """z = zeros like ``self`` with ``grad_output`` scatter-added at ``indices`` (the backward of
     ``max_pool2d``): linear in ``grad_output`` and independent of the values of ``self``, so
@@ -603,7 +658,7 @@ def _avg_pool_samples(nd: int):
     return samples
 
 
-@builtin(torch.avg_pool1d)
+@register_vjp(torch.avg_pool1d)
 class AvgPool1d:
     """y = window sum / divisor: d_x = the adjoint of the window sum (a depthwise
     ``conv_transpose1d`` with a ones kernel) applied to d / divisor, where the divisor of
@@ -636,7 +691,7 @@ class AvgPool1d:
     samples = staticmethod(_avg_pool_samples(1))
 
 
-@builtin(F.avg_pool3d)
+@register_vjp(F.avg_pool3d)
 class AvgPool3d:
     """y = window sum / divisor: d_x = the adjoint of the window sum (a depthwise
     ``conv_transpose3d`` with a ones kernel) applied to d / divisor, where the divisor is
@@ -667,7 +722,7 @@ def _adaptive_avg_bwd(nd: int, shape: Any, d: Any) -> Any:
     return _contract_spatial(d, [_averaging_matrix(o, n, d) for o, n in zip(outs, ins)])
 
 
-@builtin(torch.adaptive_avg_pool1d)
+@register_vjp(torch.adaptive_avg_pool1d)
 class AdaptiveAvgPool1d:
     """Output i averages [floor(i L / o), ceil((i+1) L / o)): y = x A^T with the averaging
     matrix A (o, L), so d_x = d A (derivatives.yaml `_adaptive_avg_pool2d`, the 1-d op being
@@ -692,7 +747,7 @@ class AdaptiveAvgPool1d:
         yield (randn(3, 7, dtype=dtype), 5), {}  # unbatched
 
 
-@builtin(F.adaptive_avg_pool3d)
+@register_vjp(F.adaptive_avg_pool3d)
 class AdaptiveAvgPool3d:
     """Output cell (i, j, l) averages the separable window [floor(i D / o), ceil((i+1) D / o))
     x ... : y = x contracted with averaging matrices A_k along each spatial dim, so d_x is d
@@ -763,7 +818,7 @@ def _unpool_rule(nd: int, op: Any) -> type:
         f"``indices``, its transpose.  With distinct indices t_y equals ``max_unpool{nd}d`` "
         f"of t; with repeated indices (where the value keeps an unspecified one of the "
         f"colliding entries) it stays the transpose of PyTorch's gather backward.")
-    return builtin(op)(MaxUnpool)
+    return register_vjp(op)(MaxUnpool)
 
 
 MaxUnpool1d = _unpool_rule(1, F.max_unpool1d)
@@ -845,7 +900,7 @@ def _fractional_rule(nd: int, op: Any, with_indices: Any) -> type:
         f"``fractional_max_pool{nd}d_with_indices`` "
         f"with them; d_x = d scatter-added at the argmax indices, t_y = t gathered there "
         f"(derivatives.yaml `fractional_max_pool{nd}d`: fractional_max_pool{nd}d_backward).")
-    return builtin(op)(FractionalMaxPool)
+    return register_vjp(op)(FractionalMaxPool)
 
 
 FractionalMaxPool2d = _fractional_rule(2, F.fractional_max_pool2d,

@@ -65,8 +65,8 @@ import torch
 import torch.fx as fx
 
 from .. import fused
-from .._base import _add, _error, builtin, randn, value_of
-from ..registry import needs_cotangent
+from .._base import _add, _error, randn, value_of
+from ..registry import needs_cotangent, register_vjp
 
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 _OPS = {"lstm": "torch.lstm", "gru": "torch.gru", "rnn_tanh": "torch.rnn_tanh",
@@ -187,7 +187,17 @@ class _Direction:
     :meth:`forward`) and its backward (:meth:`backward`, reading what the forward saved).
 
     Per-step values are kept by time step ``t``; "all steps" means their rows concatenated
-    in time order, the layout of the input rows (``(T*B, .)`` time-major, or packed)."""
+    in time order, the layout of the input rows (``(T*B, .)`` time-major, or packed).
+
+    Why a hand-written loop and not the generic ``scan`` machinery
+    (:mod:`fxad.ad.control_flow`), which differentiates any recurrence: the scan's reverse
+    mode calls the body's generated VJP once per step, recomputing the step's forward inside
+    it, through a Python loop over two GraphModule calls per step; this class writes the
+    unrolled loop into the code, saves the gates of each step and batches the weight
+    gradients of all steps into one matmul.  ``benchmarks/bench_rnn_scan.py`` (an LSTM layer,
+    seq 32, batch 16, 64→128, float32, forward+backward, 1 thread; 2-core x86-64 CPU, torch
+    2.13.0, 2026-11-25): autograd on ``nn.LSTM`` 8.5 ms, this rule 9.4 ms, the same cell as a
+    ``scan`` body 33.8 ms (3.6× this rule's time, paired median), with equal gradients."""
 
     def __init__(self, kind: str, weights: tuple, sizes: list[int], reverse: bool,
                  prefix: str | None = "") -> None:
@@ -963,7 +973,7 @@ def _stack_samples(kind: str, dtype: torch.dtype) -> Any:
         yield (x, hx, params, bias, layers, 0.0, False, bidir, batch_first), {}
 
 
-@builtin(torch.lstm)
+@register_vjp(torch.lstm)
 class LSTM:
     """nn.LSTM's ``torch.lstm`` (padded and packed overloads), written out as code: one
     matmul for the input projection of all steps, then per step
@@ -989,7 +999,7 @@ class LSTM:
         yield from _stack_samples("lstm", dtype)
 
 
-@builtin(torch.gru)
+@register_vjp(torch.gru)
 class GRU:
     """nn.GRU's ``torch.gru`` (padded and packed overloads), written out as code: per step
     ``gh = h @ W_hh^T + b_hh``, ``r, z = sigmoid(x_rz[t] + gh_rz)``,
@@ -1014,7 +1024,7 @@ class GRU:
         yield from _stack_samples("gru", dtype)
 
 
-@builtin(torch.rnn_tanh)
+@register_vjp(torch.rnn_tanh)
 class RNNTanh:
     """nn.RNN's ``torch.rnn_tanh`` (padded and packed overloads): per step
     ``h = tanh(x_proj[t] + h @ W_hh^T)``; backward through time with
@@ -1038,7 +1048,7 @@ class RNNTanh:
         yield from _stack_samples("rnn_tanh", dtype)
 
 
-@builtin(torch.rnn_relu)
+@register_vjp(torch.rnn_relu)
 class RNNRelu:
     """nn.RNN(nonlinearity='relu')'s ``torch.rnn_relu`` (padded and packed overloads): per
     step ``h = relu(x_proj[t] + h @ W_hh^T)``; backward through time with
@@ -1108,7 +1118,7 @@ def _cell_samples(kind: str, dtype: torch.dtype) -> Any:
     yield (randn(B, Fi, dtype=dtype), hx) + w, {}
 
 
-@builtin(torch.lstm_cell)
+@register_vjp(torch.lstm_cell)
 class LSTMCell:
     """nn.LSTMCell's ``torch.lstm_cell``: one step of :class:`LSTM`'s loop (gates i, f, g, o)
     and its backward (ATen RNN.cpp ``LSTMCell``)."""
@@ -1128,7 +1138,7 @@ class LSTMCell:
         yield from _cell_samples("lstm", dtype)
 
 
-@builtin(torch.gru_cell)
+@register_vjp(torch.gru_cell)
 class GRUCell:
     """nn.GRUCell's ``torch.gru_cell``: one step of :class:`GRU`'s loop (gates r, z, n with
     b_hn inside the reset product) and its backward (ATen RNN.cpp ``GRUCell``)."""
@@ -1148,7 +1158,7 @@ class GRUCell:
         yield from _cell_samples("gru", dtype)
 
 
-@builtin(torch.rnn_tanh_cell)
+@register_vjp(torch.rnn_tanh_cell)
 class RNNTanhCell:
     """nn.RNNCell's ``torch.rnn_tanh_cell``: ``h = tanh(x @ W_ih^T + b_ih + h @ W_hh^T +
     b_hh)``, d_pre = d_h (1 - h^2) (ATen RNN.cpp ``SimpleCell``)."""
@@ -1168,7 +1178,7 @@ class RNNTanhCell:
         yield from _cell_samples("rnn_tanh", dtype)
 
 
-@builtin(torch.rnn_relu_cell)
+@register_vjp(torch.rnn_relu_cell)
 class RNNReluCell:
     """nn.RNNCell(nonlinearity='relu')'s ``torch.rnn_relu_cell``: ``h = relu(x @ W_ih^T +
     b_ih + h @ W_hh^T + b_hh)``, d_pre = d_h (h > 0) (ATen RNN.cpp ``SimpleCell``)."""
@@ -1198,7 +1208,7 @@ def _packed_rows(batch_sizes: list[int], batch: int) -> list[int]:
     return [t * batch + b for t, n in enumerate(batch_sizes) for b in range(n)]
 
 
-@builtin(torch._pack_padded_sequence)
+@register_vjp(torch._pack_padded_sequence)
 class PackPaddedSequence:
     """``_pack_padded_sequence(input, lengths, batch_first) -> (data, batch_sizes)``: the rows
     of the padded batch the (sorted) lengths keep, step by step.  d_input = d_data written back
@@ -1238,7 +1248,7 @@ class PackPaddedSequence:
         yield (randn(3, 4, 2, dtype=dtype), torch.tensor([4, 4, 1]), True), {}
 
 
-@builtin(torch._pad_packed_sequence)
+@register_vjp(torch._pad_packed_sequence)
 class PadPackedSequence:
     """``_pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length) ->
     (padded, lengths)``: the packed rows written into a padded batch.  d_data = the cotangent

@@ -51,14 +51,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._base import builtin, randn, uniform, _error, _t
-from ..registry import add_rule
-from ._common import builtin_verbatim, _contract_spatial, _ntuple
+from .._base import randn, uniform, _error, _t
+from ..registry import register_vjp
+from ._common import _contract_spatial, _ntuple
 
 
 # --- padding and pixel shuffles --------------------------------------------------------------
 
-@builtin_verbatim(F.pad)
+@register_vjp(F.pad)
 class Pad:
     """pad(x, pad, mode, value): constant mode: d_x = pad(d, -pad) (a crop, or zero padding
     for negative pads); reflect/replicate/circular: d_x = zeros.index_add of d at the source
@@ -100,7 +100,7 @@ class Pad:
         yield (_t((1, 2, 3, 4), dtype), [1, 2, 2, 1], "circular"), {}
 
 
-@builtin_verbatim(torch.constant_pad_nd)
+@register_vjp(torch.constant_pad_nd)
 class ConstantPadNd:
     """constant_pad_nd(x, pad, value): d_x = constant_pad_nd(d, -pad) (derivatives.yaml
     `constant_pad_nd`: constant_pad_nd_backward)."""
@@ -115,7 +115,7 @@ class ConstantPadNd:
         yield (_t((2, 3, 4), dtype), [1, 2, -1, 1]), {}
 
 
-@builtin_verbatim(F.pixel_shuffle)
+@register_vjp(F.pixel_shuffle)
 class PixelShuffle:
     """pixel_shuffle(x, r): a permutation; d_x = pixel_unshuffle(d, r)
     (derivatives.yaml `pixel_shuffle`)."""
@@ -130,7 +130,7 @@ class PixelShuffle:
         yield (_t((2, 8, 3, 2), dtype), 2), {}
 
 
-@builtin_verbatim(F.pixel_unshuffle)
+@register_vjp(F.pixel_unshuffle)
 class PixelUnshuffle:
     """pixel_unshuffle(x, r): a permutation; d_x = pixel_shuffle(d, r)
     (derivatives.yaml `pixel_unshuffle`)."""
@@ -145,7 +145,7 @@ class PixelUnshuffle:
         yield (_t((2, 2, 4, 6), dtype), 2), {}
 
 
-@builtin_verbatim(F.channel_shuffle)
+@register_vjp(F.channel_shuffle)
 class ChannelShuffle:
     """channel_shuffle(x, g): a channel permutation; d_x = channel_shuffle(d, C / g)
     (derivatives.yaml `channel_shuffle`)."""
@@ -230,7 +230,7 @@ def _interp_kwargs(size, scale_factor, mode, align_corners, recompute_scale_fact
     return kw
 
 
-@builtin(F.interpolate)
+@register_vjp(F.interpolate)
 class Interpolate:
     """Every mode of ``F.interpolate`` ('nearest', 'nearest-exact', 'linear', 'bilinear',
     'bicubic', 'trilinear', 'area', antialiased or not) resamples each spatial dim
@@ -298,7 +298,7 @@ def _aa_resample(align_corners: bool) -> Any:
     return resample
 
 
-@builtin(_UPSAMPLE_BILINEAR2D_AA)
+@register_vjp(_UPSAMPLE_BILINEAR2D_AA)
 class UpsampleBilinear2dAA:
     """``aten._upsample_bilinear2d_aa``, the kernel of ``F.interpolate(..., mode='bilinear',
     antialias=True)``, in both overloads: ``(input, output_size, align_corners,
@@ -590,7 +590,7 @@ def _input(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     return uniform(shape, -2.0, 2.0, dtype)
 
 
-@builtin(F.grid_sample)
+@register_vjp(F.grid_sample)
 class GridSample:
     """F.grid_sample(input, grid, mode, padding_mode, align_corners): the sampling is a sum over
     taps of weight * input value; d_input scatter-adds weight * d at the taps, d_grid sums
@@ -636,24 +636,26 @@ class GridSample:
                    {"padding_mode": pad, "align_corners": True})
 
 
-def _sampler_fwd(op):
-    def fwd(input, grid, interpolation_mode, padding_mode, align_corners):
-        out = op(input, grid, interpolation_mode, padding_mode, align_corners)
-        return out, (input, grid, interpolation_mode, padding_mode, bool(align_corners))
-    return fwd
+def _sampler_rule(op: Any, sampler_samples: Any) -> type:
+    class GridSampler:
+        source = _SAMPLER_DOC
 
+        def fwd(input, grid, interpolation_mode, padding_mode, align_corners):
+            out = op(input, grid, interpolation_mode, padding_mode, align_corners)
+            return out, (input, grid, interpolation_mode, padding_mode, bool(align_corners))
 
-def _sampler_jvp(op):
-    def jvp(primals, tangents):
-        x, grid, mode, padding, align_corners = primals
-        out = op(x, grid, mode, padding, align_corners)
-        return out, _tangent(x, grid, tangents[0], tangents[1], mode, padding,
-                             bool(align_corners))
-    return jvp
+        def bwd(aux, d):
+            return _backward(aux, d)
 
+        def jvp(primals, tangents):
+            x, grid, mode, padding, align_corners = primals
+            out = op(x, grid, mode, padding, align_corners)
+            return out, _tangent(x, grid, tangents[0], tangents[1], mode, padding,
+                                 bool(align_corners))
 
-def _sampler_bwd(aux, d):
-    return _backward(aux, d)
+        samples = sampler_samples
+
+    return GridSampler
 
 
 def _samples_2d(dtype):
@@ -685,5 +687,4 @@ _SAMPLER_DOC = (
 
 for _op, _samples in ((torch.grid_sampler_2d, _samples_2d), (torch.grid_sampler_3d, _samples_3d),
                       (torch.grid_sampler, _samples_any)):
-    add_rule(_op, _sampler_fwd(_op), _sampler_bwd, jvp=_sampler_jvp(_op), samples=_samples,
-             source=_SAMPLER_DOC, builtin=True)
+    register_vjp(_op)(_sampler_rule(_op, _samples))

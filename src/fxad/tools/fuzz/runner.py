@@ -26,6 +26,8 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
+import fxad
+
 from ...errors import FxadError, RuleError
 from . import oracle
 from .generator import eager_ok, generate
@@ -114,7 +116,6 @@ def run_mode(prog: Program, mode: str, f: Callable | None = None) -> Outcome:
         try:
             with warnings.catch_warnings(), _Quiet():
                 warnings.simplefilter("ignore")
-                import fxad
                 built = fxad.vjp(f, *inputs) if mode == "reverse" else fxad.jvp(f, *inputs)
                 phase = "run"
                 if mode == "reverse":
@@ -280,7 +281,6 @@ def shrink(prog: Program, outcome: Outcome, *, budget: int = 400,
 # ------------------------------------------------------------------------------ reproducers
 def reproducer_source(prog: Program, outcome: Outcome) -> str:
     """A standalone script: the program, its inputs, the oracle, and the failing check."""
-    import fxad
     import torch
 
     detail = "\n".join("#   " + line for line in outcome.detail.strip().splitlines()[:12])
