@@ -164,6 +164,16 @@ def _select(cond: Any, a: Any, b: Any) -> Any:
     return torch.where(cond, 0.0 if a is None else a, 0.0 if b is None else b)
 
 
+def _tie_split(a: Any, b: Any, out: Any, d: Any) -> tuple[Any, Any]:
+    """Cotangents of a binary max/min ``out`` of ``a`` and ``b``: ``d`` to the selected
+    operand, split evenly on ties (derivatives.yaml ``maximum``: ``at::where(self == other,
+    grad / 2, grad)`` masked to the selected side)."""
+    tie = a == b
+    half = d * 0.5
+    return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
+            torch.where(tie, half, torch.where(b == out, d, 0.0)))
+
+
 def _tie_select(a: Any, b: Any, out: Any, ta: Any, tb: Any) -> Any:
     """Tangent of a binary max/min: the selected operand's tangent, the mean on ties (the
     transpose of the backward's even split)."""

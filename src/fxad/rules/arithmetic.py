@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._base import (conj, randn, uniform, _add, _binary_samples, _is_t, _LN2, _select,
-                    _t, _tie_select, _value_d)
+                    _t, _tie_select, _tie_split, _value_d)
 from .registry import register_vjp
 
 
@@ -300,11 +300,7 @@ def _maximum_minimum(op: Any) -> type:
             return out, (input, other, out)
 
         def bwd(aux, d):
-            a, b, out = aux
-            tie = a == b
-            half = d * 0.5
-            return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
-                    torch.where(tie, half, torch.where(b == out, d, 0.0)))
+            return _tie_split(*aux, d)
 
         def jvp(primals, tangents):
             (a, b), (ta, tb) = primals, tangents

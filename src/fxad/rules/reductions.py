@@ -42,7 +42,7 @@ import torch
 
 from ..errors import RuleError
 from ._base import (dims_of, randn, restore_reduced, uniform, _excl_cumprod, _index_back,
-                    _is_t, _tie_select, _value_d)
+                    _is_t, _tie_select, _tie_split, _value_d)
 from .registry import register_vjp
 
 
@@ -351,11 +351,7 @@ def _max_like(op: Any, elementwise: Any) -> tuple[type, ...]:
             return out, (input, dim, out)
 
         def bwd(aux, d):
-            a, b, out = aux
-            tie = a == b
-            half = d * 0.5
-            return (torch.where(tie, half, torch.where(a == out, d, 0.0)),
-                    torch.where(tie, half, torch.where(b == out, d, 0.0)))
+            return _tie_split(*aux, d)
 
         def jvp(primals, tangents):
             (x, other, _), (tx, t_other, _) = primals, tangents
