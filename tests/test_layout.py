@@ -1,7 +1,8 @@
 """The layout of fxad (docs/architecture.md): the layer order of the whole package (a module
-named for the op family they hold, importing only torch, the standard library, the registry,
-the shared helpers and their own package's ``_common`` module, so that the rules form one
-layer under the engines.  Read from the source with ``ast``; nothing is imported."""
+imports only from its own layer or below, with no import cycle and no function-local import of
+an fxad module), and inside the rules layer, rule modules named for the op family they hold,
+importing only torch, the standard library, the op record, the shared helpers and their own
+package's ``_common`` module.  Read from the source with ``ast``; nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -41,15 +42,18 @@ def _modules() -> list[tuple[str, pathlib.Path]]:
     return out
 
 
-def _imports(name: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:
-    """``(absolute module, line, at module level)`` for every import in the file."""
+def _import_statements(name: str, path: pathlib.Path):
+    """``(absolute module, imported names, line, at module level, names are modules)`` for
+    every import in the file, function-local ones included: ``import a.b`` gives ``("a.b",
+    [], ...)``, ``from .x import y, z`` gives ``("fxad.pkg.x", ["y", "z"], ...)``, and the
+    last item is True for ``from . import fused`` (no module named)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     top = {id(n) for n in tree.body}
-    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+            for a in node.names:
+                yield a.name, [], node.lineno, id(node) in top, False
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -57,10 +61,19 @@ def _imports(name: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if node.level and not node.module:  # from . import fused
-                out += [(f"{mod}.{a.name}", node.lineno, id(node) in top) for a in node.names]
-            else:
-                out.append((mod, node.lineno, id(node) in top))
+            yield (mod, [a.name for a in node.names], node.lineno, id(node) in top,
+                   bool(node.level) and not node.module)
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:
+    """``(absolute module, line, at module level)`` for every import in the file; ``from .
+    import fused`` names the module ``fxad.rules.fused``."""
+    out = []
+    for mod, names, line, top_level, bare in _import_statements(name, path):
+        if bare:  # from . import fused
+            out += [(f"{mod}.{n}", line, top_level) for n in names]
+        else:
+            out.append((mod, line, top_level))
     return out
 
 
@@ -203,24 +216,9 @@ def _fxad_imports(name: str, path: pathlib.Path, mods: dict) -> list[tuple[str, 
     """``(imported fxad module, line, at module level)`` for every import of an fxad module
     in the file, function-local ones included (``from x import y`` counts ``x.y`` where that
     is a module, else ``x``)."""
-    tree = ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    top = {id(n) for n in tree.body}
     out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod
-                       for a in node.names]
-        else:
-            continue
+    for mod, names, line, top_level, _ in _import_statements(name, path):
+        targets = [f"{mod}.{n}" if f"{mod}.{n}" in mods else mod for n in names] or [mod]
         for t in targets:
             while t and t not in mods:
                 t = t.rpartition(".")[0]
@@ -228,7 +226,7 @@ def _fxad_imports(name: str, path: pathlib.Path, mods: dict) -> list[tuple[str, 
                 # a package's __init__ importing its own submodules is not a dependency
                 if path.name == "__init__.py" and t.startswith(name + "."):
                     continue
-                out.append((t, node.lineno, id(node) in top))
+                out.append((t, line, top_level))
     return out
 
 
