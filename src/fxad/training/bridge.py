@@ -59,6 +59,21 @@ class _Plan:
 _SAVED = object()  # marks a slot filled from ctx.saved_tensors
 
 
+def _slots(saved: Any, pinned: set[int]) -> tuple[list[Any], list[torch.Tensor]]:
+    """The residuals ``saved`` as slots for the backward: a pinned tensor (an input,
+    parameter or output, by ``id``) goes through ``save_for_backward`` and its slot is
+    :data:`_SAVED`; any other value is kept in its slot as is."""
+    slots: list[Any] = []
+    to_save = []
+    for x in saved:
+        if isinstance(x, torch.Tensor) and id(x) in pinned:
+            slots.append(_SAVED)
+            to_save.append(x)
+        else:
+            slots.append(x)
+    return slots, to_save
+
+
 class _Bridge(torch.autograd.Function):
     """``forward(plan, *inputs, *params)`` runs the forward graph; ``backward`` the
     backward graph."""
@@ -76,14 +91,7 @@ class _Bridge(torch.autograd.Function):
         # the output's grad_fn); intermediates are kept in a plain list that the backward
         # graph consumes, so that each is freed after its last use there
         pinned = {id(t) for t in (*fwd_args, *outs) if isinstance(t, torch.Tensor)}
-        slots: list[Any] = []
-        to_save = []
-        for s in saved:
-            if isinstance(s, torch.Tensor) and id(s) in pinned:
-                slots.append(_SAVED)
-                to_save.append(s)
-            else:
-                slots.append(s)
+        slots, to_save = _slots(saved, pinned)
         del saved
         ctx.save_for_backward(*to_save)
         ctx.slots = slots
@@ -156,14 +164,7 @@ class _StagedBridge(torch.autograd.Function):
             if id(o) in pinned:
                 outs[i] = o.clone()
         pinned.update(id(t) for t in outs if isinstance(t, torch.Tensor))
-        slots: list[Any] = []
-        to_save = []
-        for x in saved:
-            if isinstance(x, torch.Tensor) and id(x) in pinned:
-                slots.append(_SAVED)
-                to_save.append(x)
-            else:
-                slots.append(x)
+        slots, to_save = _slots(saved, pinned)
         del saved
         run.slots, run.to_save, run.outs = slots, to_save, outs
         ctx.run = run
