@@ -50,7 +50,7 @@ def trace(f: Callable | torch.nn.Module, *example_inputs: Any,
 
 def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
         argnums: int | Iterable[int] | None = None, simplify: bool = True,
-        dynamic: Any = None) -> fx.GraphModule:
+        dynamic: bool | None = None, dynamic_shapes: Any = None) -> fx.GraphModule:
     """Source-to-source vector-Jacobian product of ``f`` at shapes of ``example_inputs``.
 
     Returns:
@@ -67,11 +67,16 @@ def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
         argnums: positions of the inputs to differentiate (default: all floating inputs);
             the others get ``None`` and no code is generated for them (``argnums=()`` for a
             module: parameter gradients only, as in a training step).
-        dynamic: dimensions whose size the code reads from its inputs instead of baking in
-            (``True``: dimension 0 of every tensor input; ``{"x": (0, 1)}`` or ``{0: 1}`` by
-            argument name or position); see :mod:`fxad.dynamic`.  Without it, the module
-            checks on every call that the inputs have the traced shapes, dtypes, devices and
-            Python values (:mod:`fxad.guards`).
+        dynamic: ``True``: build once on symbolic sizes, every dimension of every tensor
+            input allowed to vary (dimensions the program fixes stay static, sizes it ties
+            become one), like ``torch.export.Dim.AUTO``; the code reads its sizes from the
+            inputs (``T = idx.size(1)``).  See :mod:`fxad.symbolic`.  Without it (the
+            default), the module checks on every call that the inputs have the traced
+            shapes, dtypes, devices and Python values (:mod:`fxad.guards`).
+        dynamic_shapes: the dimensions that vary, in :func:`torch.export.export`'s format:
+            ``{"idx": {0: Dim("B"), 1: Dim("T", max=64)}, "tgt": {0: Dim("B"), 1:
+            Dim("T")}}`` (the same name: one size).  A named dimension the program fixes is
+            an :class:`~fxad.errors.InputError` naming the line.
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule (the error
@@ -81,22 +86,24 @@ def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
             device, Python value), naming the argument.
     """
     return build_vjp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     seed_ones=False, argnums=argnums, dynamic=dynamic)
+                     seed_ones=False, argnums=argnums, dynamic=dynamic,
+                     dynamic_shapes=dynamic_shapes)
 
 
 def grad(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
          argnums: int | Iterable[int] | None = None, simplify: bool = True,
-         dynamic: Any = None) -> fx.GraphModule:
+         dynamic: bool | None = None, dynamic_shapes: Any = None) -> fx.GraphModule:
     """Gradient of a scalar-valued ``f``: ``g(*inputs)`` returns ``(value, input_grads)`` or,
-    for an ``nn.Module``, ``(value, input_grads, param_grads)``.  ``argnums`` and
-    ``dynamic`` as in :func:`vjp`.
+    for an ``nn.Module``, ``(value, input_grads, param_grads)``.  ``argnums``, ``dynamic``
+    and ``dynamic_shapes`` as in :func:`vjp`.
 
     Raises:
         fxad.errors.InputError: the output is not a single floating-point scalar; when called,
             inputs unlike the traced ones.
     """
     return build_vjp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     seed_ones=True, argnums=argnums, dynamic=dynamic)
+                     seed_ones=True, argnums=argnums, dynamic=dynamic,
+                     dynamic_shapes=dynamic_shapes)
 
 
 _DELETION = re.compile(r";  (\w+ = )+None")

@@ -9,10 +9,11 @@ an :class:`InputSpec` and checks it before running (:meth:`InputSpec.check`, a f
 comparisons per argument), raising :class:`fxad.InputError` that names the argument, the
 traced and the given value, and how to rebuild.
 
-Dimensions made generic with ``dynamic=`` (:mod:`fxad.dynamic`) are left out of the shape
-check; the guard then checks what stayed specialized, that dimensions sharing a size
-symbol still agree (``x.shape[0] == y.shape[0]``), and that the size is one the generic code
-was verified for (at least the smallest size probed).
+Dimensions built on symbolic sizes (``dynamic=True`` / ``dynamic_shapes=``,
+:mod:`fxad.symbolic`) are left out of the shape check; the guard then checks what stayed
+static, that dimensions sharing a size symbol still agree (``idx.size(0) == tgt.size(0)``),
+and every relation the program or the derivative code assumed of the sizes (``T <= 64``),
+naming the user's line that imposed it.
 
 A module captured from an ``nn.Module`` also bakes in each submodule's training flag
 (dropout, batch-norm statistics): :func:`install_mode_check` warns with a
@@ -25,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from .errors import InputError
+from .graph.sizes import expr_of, is_symbolic
 
 __all__ = ["InputSpec", "spec_of", "ModeWarning", "install_mode_check"]
 
@@ -49,20 +52,24 @@ class InputSpec:
         leaves: per argument, per leaf: a :class:`_TensorSlot` for a tensor, ``("value", v)``
             for a Python value the trace specialized on, or ``None`` for an argument that is
             not checked (cotangents of non-floating outputs take ``None``).
-        symbols: dynamic size symbols: name -> list of ``(argument, leaf, dim)`` sharing it.
-        min_size: per symbol, the smallest size the generic code is verified for.
+        symbols: symbolic sizes: name -> list of ``(argument, leaf, dim)`` sharing it (leaf
+            -1 for a plain tensor argument).
         rebuild: how to rebuild, for the error message (``fxad.grad(f, *inputs)``).
+        predicates: relations of the symbolic sizes checked on every call:
+            ``(fn(*sizes) -> bool, [(argument, leaf, dim)], text)``.
+        sym_dims: ``(argument, leaf, dim) -> sympy expression`` of each symbolic dimension of
+            the examples (filled by :func:`spec_of`, read by :mod:`fxad.symbolic`).
     """
 
     names: list[str]
     trees: list[Any]
     leaves: list[list[Any]]
     symbols: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
-    min_size: dict[str, int] = field(default_factory=dict)
     rebuild: str = "rebuild it with the new inputs"
-    # decisions the program made on dynamic sizes: (fn(*sizes) -> bool, [(argument, dim)],
-    # text), see fxad.dynamic
-    predicates: list[tuple[Any, list[tuple[int, int]], str]] = field(default_factory=list)
+    predicates: list[tuple[Any, list[tuple[int, int, int]], str]] = field(default_factory=list)
+    sym_dims: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+    symbol_dims: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    values_at: list[int] = field(default_factory=list)
     # integer tensor inputs whose *values* the trace read (the lengths of a packed sequence):
     # argument position -> value; and constant tensors it read: (the tensor, its value then)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -84,7 +91,7 @@ class InputSpec:
                     f"with ({tree} expected, got {spec}); {self.rebuild}")
             for j, (v, slot) in enumerate(zip(leaves, slots)):
                 self._check_leaf(i, j, v, slot)
-        if self.symbols:
+        if self.symbols or self.predicates:
             self._check_symbols(args)
         for i, want in self.values.items():
             got = args[i]
@@ -100,14 +107,25 @@ class InputSpec:
                     f"a constant tensor the program read while traced changed (it was "
                     f"{_short(want)}, now {_short(obj)}); the code was specialized on its "
                     f"values; {self.rebuild}")
-        for fn, dims, text in self.predicates:
-            sizes = [args[i].shape[d] for i, d in dims]
-            if not fn(*sizes):
-                raise InputError(
-                    f"the program decided on its input sizes while traced ({text} held for "
-                    f"the example sizes), and it does not hold for sizes {sizes} of "
-                    f"{', '.join(f'{self.names[i]}.shape[{d}]' for i, d in dims)}; "
-                    f"{self.rebuild}")
+    def admits(self, args: Sequence[Any]) -> str | None:
+        """Why the leading arguments ``args`` (the model's inputs, without the cotangent) do
+        not match this spec, or None when they do."""
+        n = len(args)
+        try:
+            for i, (a, tree, slots) in enumerate(zip(args, self.trees[:n], self.leaves[:n])):
+                if len(slots) == 1 and tree is None:
+                    self._check_leaf(i, -1, a, slots[0])
+                    continue
+                leaves, spec = pytree.tree_flatten(_plain(a))
+                if spec != tree:
+                    return f"argument `{self.names[i]}` has another structure"
+                for j, (v, slot) in enumerate(zip(leaves, slots)):
+                    self._check_leaf(i, j, v, slot)
+            if self.symbols or self.predicates:
+                self._check_symbols(args, limit=n)
+        except InputError as e:
+            return str(e)
+        return None
 
     def _where(self, i: int, j: int) -> str:
         name = f"`{self.names[i]}`"
@@ -130,7 +148,7 @@ class InputSpec:
                 raise InputError(
                     f"argument {self._where(i, j)} has shape {tuple(shape)}, but this module "
                     f"was traced for shape {want} (fxad specializes on input shapes); "
-                    f"{self.rebuild}, or pass dynamic= for the dimensions that vary")
+                    f"{self.rebuild}, or build with dynamic=True (or dynamic_shapes=) so that sizes may vary")
             if v.dtype != slot.dtype:
                 raise InputError(f"argument {self._where(i, j)} has dtype {v.dtype}, but this "
                                  f"module was traced for {slot.dtype}; {self.rebuild}")
@@ -145,26 +163,50 @@ class InputSpec:
                 f"{want!r}: fxad specializes on Python values (the branches and loops "
                 f"that depend on them are fixed in the code); {self.rebuild}")
 
-    def _check_symbols(self, args: Sequence[Any]) -> None:
+    def _dim(self, key: tuple[int, int, int]) -> str:
+        i, j, d = key
+        return f"`{self.names[i]}`.size({d})" if j < 0 else \
+            f"`{self.names[i]}` (leaf {j}).size({d})"
+
+    def _check_symbols(self, args: Sequence[Any], limit: int | None = None) -> None:
         flat = [pytree.tree_leaves(_plain(a)) if self.trees[i] is not None else [a]
                 for i, a in enumerate(args)]
-        for sym, members in self.symbols.items():
-            sizes = [(m, flat[m[0]][max(m[1], 0)].shape[m[2]]) for m in members]
-            first = sizes[0][1]
-            for (i, j, d), s in sizes[1:]:
+        if limit is not None:  # only the first ``limit`` arguments are given
+            symbols = {s: [m for m in ms if m[0] < limit] for s, ms in self.symbols.items()}
+            symbols = {s: ms for s, ms in symbols.items() if ms}
+            predicates = [p for p in self.predicates if all(k[0] < limit for k in p[1])]
+        else:
+            symbols, predicates = self.symbols, self.predicates
+
+        def size(key: tuple[int, int, int]) -> int:
+            i, j, d = key
+            return flat[i][max(j, 0)].shape[d]
+
+        for sym, members in symbols.items():
+            first = size(members[0])
+            for m in members[1:]:
+                s = size(m)
                 if s != first:
-                    (i0, j0, d0) = sizes[0][0]
                     raise InputError(
-                        f"dimension {d} of argument {self._where(i, j)} is {s}, but dimension "
-                        f"{d0} of {self._where(i0, j0)} is {first}: both are the dynamic size "
-                        f"{sym} and must agree")
-            low = self.min_size.get(sym, 0)
-            if first < low:
+                        f"{self._dim(m)} is {s}, but {self._dim(members[0])} is {first}: the "
+                        f"program ties them together (both are the size {sym}) and they must "
+                        f"agree")
+        for fn, dims, text in predicates:
+            sizes = [size(k) for k in dims]
+            if not fn(*sizes):
+                given = ", ".join(f"{self._dim(k)} = {s}" for k, s in zip(dims, sizes))
                 raise InputError(
-                    f"the dynamic size {sym} is {first}, but the generic code was verified for "
-                    f"sizes >= {low} only (smaller sizes can change the code: a size-1 "
-                    f"dimension broadcasts, equal sizes merge expressions); "
-                    f"{self.rebuild}")
+                    f"the input sizes break an assumption of the generated code: {text} does "
+                    f"not hold for {given}; {self.rebuild}")
+
+    def fix_dim(self, key: tuple[int, int, int], size: int) -> None:
+        """Make dimension ``key`` static with ``size`` (the program fixed it)."""
+        i, j, d = key
+        slots = self.leaves[i]
+        slot = slots[max(j, 0)]
+        shape = list(slot.shape)
+        shape[d] = size
+        slots[max(j, 0)] = _TensorSlot(tuple(shape), slot.dtype, slot.device)
 
 
 def _short(t: Any) -> str:
@@ -187,19 +229,20 @@ def _plain(x: Any) -> Any:
 
 
 def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
-            unchecked: Sequence[int] = (), dynamic: dict[tuple[int, int, int], str] | None = None,
-            min_size: dict[str, int] | None = None, values: Sequence[int] = (),
+            unchecked: Sequence[int] = (), values: Sequence[int] = (),
             constants: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> InputSpec:
     """The :class:`InputSpec` of ``examples`` (one per argument in ``names``).
 
     Args:
         unchecked: positions whose leaves are not value-checked (Python values fxad does not
             specialize on, such as ``None`` slots of a cotangent).
-        dynamic: ``(argument, leaf, dim) -> symbol`` for generic dimensions.
+
+    A dimension whose example size is a ``SymInt`` (a symbolic build) is left out of the
+    shape check and recorded in ``sym_dims``; :mod:`fxad.symbolic` turns those into symbol
+    and relation checks.
     """
-    dynamic = dynamic or {}
     trees, leaves = [], []
-    symbols: dict[str, list[tuple[int, int, int]]] = {}
+    sym_dims: dict[tuple[int, int, int], Any] = {}
     for i, ex in enumerate(examples):
         plain = not isinstance(ex, (tuple, list, dict))
         ex = ex if plain else _plain(ex)
@@ -211,19 +254,22 @@ def spec_of(names: Sequence[str], examples: Sequence[Any], *, rebuild: str,
             if isinstance(v, torch.Tensor):
                 shape = []
                 for d, s in enumerate(v.shape):
-                    sym = dynamic.get((i, jj, d))
-                    if sym is not None:
-                        symbols.setdefault(sym, []).append((i, jj, d))
-                    shape.append(None if sym is not None else int(s))
+                    if is_symbolic(s):
+                        sym_dims[(i, jj, d)] = expr_of(s)
+                        shape.append(None)
+                    else:
+                        shape.append(int(s))
                 slots.append(_TensorSlot(tuple(shape), v.dtype, v.device))
             elif i in unchecked or v is None:
                 slots.append(None)
             else:
                 slots.append(("value", v))
         leaves.append(slots)
-    spec = InputSpec(list(names), trees, leaves, symbols, dict(min_size or {}), rebuild)
+    spec = InputSpec(list(names), trees, leaves, rebuild=rebuild, sym_dims=sym_dims)
+    spec.values_at = list(values)
     spec.values = {i: examples[i].detach().cpu().clone() for i in values
-                   if isinstance(examples[i], torch.Tensor)}
+                   if isinstance(examples[i], torch.Tensor)
+                   and not isinstance(examples[i], FakeTensor)}
     spec.constants = list(constants)
     return spec
 

@@ -44,7 +44,7 @@ __all__ = ["JVPModule", "BatchedDerivative", "jvp", "hvp", "jacrev", "jacfwd", "
 
 def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
         argnums: int | Iterable[int] | None = None, simplify: bool = True,
-        dynamic: Any = None) -> JVPModule:
+        dynamic: bool | None = None, dynamic_shapes: Any = None) -> JVPModule:
     """Source-to-source Jacobian-vector product (forward mode) of ``f``.
 
     Returns:
@@ -57,7 +57,8 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
 
     Args:
         argnums: positions of the inputs to differentiate (default: all floating inputs).
-        dynamic: dimensions made generic, as in :func:`fxad.vjp` (:mod:`fxad.dynamic`).
+        dynamic, dynamic_shapes: build on symbolic sizes, as in :func:`fxad.vjp`
+            (:mod:`fxad.symbolic`).
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule.
@@ -66,7 +67,7 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
             shape or dtype does not match its primal.
     """
     return build_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     argnums=argnums, dynamic=dynamic)
+                     argnums=argnums, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
 
 
 def _function_only(f: Any, what: str) -> Any:
@@ -86,7 +87,8 @@ def _function_only(f: Any, what: str) -> Any:
 
 
 def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None = None,
-        leaf_modules: Iterable[type] = (), simplify: bool = True) -> JVPModule:
+        leaf_modules: Iterable[type] = (), simplify: bool = True,
+        dynamic: bool | None = None, dynamic_shapes: Any = None) -> JVPModule:
     """Hessian-vector product of a scalar-valued ``f``, forward-over-reverse: the generated
     JVP of the generated gradient code (:func:`fxad.grad`).
 
@@ -97,10 +99,12 @@ def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None =
         :class:`JVPModule` ``h``: ``h(*inputs, *tangents)`` returns ``(grads, hvps)``, both
         tuples with one entry per input (``None`` for inputs that are not differentiated);
         ``hvps[i] = Σ_j ∂²f/∂x_i∂x_j · tangents[j]``.
+
+    ``dynamic`` / ``dynamic_shapes``: build on symbolic sizes, as in :func:`fxad.vjp`.
     """
     f = _function_only(f, "hvp")
     return build_hvp(f, example_inputs, argnums=argnums, leaf_modules=leaf_modules,
-                     simplify=simplify)
+                     simplify=simplify, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
 
 
 def _nums(argnums: int | Iterable[int], n: int) -> tuple[tuple[int, ...], bool]:

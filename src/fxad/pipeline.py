@@ -14,8 +14,10 @@ A reverse-mode build (:func:`static_vjp`), step by step::
     install_mode_check  warn when the module's training flags change (fxad.guards)
     guard_vjp           what the module specialized on, checked on every call (fxad.guards)
 
-and then, with ``dynamic=``, :func:`fxad.dynamic.generalize` makes dimensions generic by
-rebuilding at other sizes (:func:`build_vjp`).  A forward-mode build (:func:`static_jvp`)
+With ``dynamic=True`` or ``dynamic_shapes=``, the same steps run once on symbolic sizes
+(:mod:`fxad.symbolic`): the inputs are fake tensors whose dimensions are ``SymInt`` values, the
+generated code reads its sizes from the inputs, and the guards check the ShapeEnv's
+relations (:func:`build_vjp`).  A forward-mode build (:func:`static_jvp`)
 runs ``captured``, ``jvp_graph``, ``finish_jvp`` and ``jvp_module`` the same way; :func:`build_hvp`
 is the JVP of the generated gradient code, and the Jacobians (:func:`build_jacrev`,
 :func:`build_jacfwd`, :func:`build_hessian`) vmap a generated module over basis vectors
@@ -37,11 +39,12 @@ from .ad.generated import JVPModule, VJPModule
 from .ad.reverse import is_float
 from .ad.transform import (Derivative, captured, finish_jvp, finish_vjp, guard_vjp, jvp_graph,
                            jvp_module, vjp_graph, vjp_module)
-from .dynamic import generalize
+from .capture.tracer import argument_names
 from .errors import InputError
-from .guards import _TensorSlot, install_mode_check
+from .guards import install_mode_check
 from .rules.fallback import warn_fallbacks
 from .rules.fused import fused_kernels
+from .symbolic import symbolic_build, wants_symbolic
 
 __all__ = ["argnum_positions", "build_vjp", "static_vjp", "build_jvp", "static_jvp",
            "build_hvp", "build_jacrev", "build_jacfwd", "build_hessian", "BatchedDerivative"]
@@ -61,24 +64,25 @@ def argnum_positions(argnums: int | Iterable[int] | None, n: int) -> tuple[int, 
 # -- reverse mode ----------------------------------------------------------------------------
 
 def build_vjp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
-              seed_ones: bool, argnums: Any = None, dynamic: Any = None) -> fx.GraphModule:
-    """:func:`fxad.vjp` (``seed_ones=False``) or :func:`fxad.grad` (``seed_ones=True``)."""
-    out = static_vjp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     seed_ones=seed_ones, argnums=argnums)
-    if dynamic is None or dynamic is False:
-        warn_fallbacks(out.graph, "fxad.grad" if seed_ones else "fxad.vjp")
+              seed_ones: bool, argnums: Any = None, dynamic: Any = None,
+              dynamic_shapes: Any = None) -> fx.GraphModule:
+    """:func:`fxad.vjp` (``seed_ones=False``) or :func:`fxad.grad` (``seed_ones=True``); on
+    symbolic sizes with ``dynamic=True`` / ``dynamic_shapes=`` (:mod:`fxad.symbolic`)."""
+    api = "fxad.grad" if seed_ones else "fxad.vjp"
+    if not wants_symbolic(dynamic, dynamic_shapes):
+        out = static_vjp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
+                         seed_ones=seed_ones, argnums=argnums)
+        warn_fallbacks(out.graph, api)
         return out
-    names = out.meta["fxad_input_spec"].names[:len(example_inputs)]
-
-    def build(inputs: tuple) -> fx.GraphModule:
-        return static_vjp(f, inputs, leaf_modules=leaf_modules, simplify=simplify,
-                          seed_ones=seed_ones, argnums=argnums)
-
-    out = generalize(build, f, names, example_inputs, dynamic, out, run=verification_run)
-    warn_fallbacks(out.graph, "fxad.grad" if seed_ones else "fxad.vjp")
+    out = symbolic_build(
+        lambda fakes: static_vjp(f, fakes, leaf_modules=leaf_modules, simplify=simplify,
+                                 seed_ones=seed_ones, argnums=argnums),
+        argument_names(f, len(example_inputs)), example_inputs, dynamic=dynamic,
+        dynamic_shapes=dynamic_shapes)
+    warn_fallbacks(out.graph, api)
     out.meta["fxad_rebuild"] = lambda: build_vjp(
         f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
-        argnums=argnums, dynamic=dynamic)
+        argnums=argnums, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     return out
 
 
@@ -149,39 +153,19 @@ def seed_with_ones(d: Derivative) -> None:
     d.out_node.args = (tuple(d.out_node.args[0]),)
 
 
-def verification_run(gm: fx.GraphModule, inputs: tuple, template: fx.GraphModule) -> Any:
-    """Call ``gm`` on ``inputs`` and seeded random cotangents shaped as ``template``'s (the
-    numeric check of :func:`fxad.dynamic.generalize`)."""
-    spec = template.meta["fxad_input_spec"]
-    gen = torch.Generator().manual_seed(0)
-    extra = []
-    for slots, tree in zip(spec.leaves[len(inputs):], spec.trees[len(inputs):]):
-        leaves = [torch.randn(s.shape, dtype=s.dtype, generator=gen).to(s.device)
-                  if isinstance(s, _TensorSlot) and (s.dtype.is_floating_point or
-                                                     s.dtype.is_complex) else None
-                  for s in slots]
-        extra.append(leaves[0] if tree is None else pytree.tree_unflatten(leaves, tree))
-    return gm(*inputs, *extra)
-
-
 # -- forward mode ----------------------------------------------------------------------------
 
 def build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
-              argnums: Any, dynamic: Any = None) -> JVPModule:
-    """:func:`fxad.jvp`."""
-    out = static_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     argnums=argnums)
-    if dynamic is None or dynamic is False:
-        return out
-    names = out.meta["fxad_input_spec"].names
-
-    def build(inputs: tuple) -> fx.GraphModule:
-        return static_jvp(f, inputs, leaf_modules=leaf_modules, simplify=simplify,
+              argnums: Any, dynamic: Any = None, dynamic_shapes: Any = None) -> JVPModule:
+    """:func:`fxad.jvp`; on symbolic sizes as :func:`build_vjp`."""
+    if not wants_symbolic(dynamic, dynamic_shapes):
+        return static_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
                           argnums=argnums)
-
-    # (stacklevel: the DynamicWarnings point at the caller of fxad.jvp)
-    return generalize(build, f, names, example_inputs, dynamic, out,
-                      run=tangent_verification_run, stacklevel=4)
+    return symbolic_build(
+        lambda fakes: static_jvp(f, fakes, leaf_modules=leaf_modules, simplify=simplify,
+                                 argnums=argnums),
+        argument_names(f, len(example_inputs)), example_inputs, dynamic=dynamic,
+        dynamic_shapes=dynamic_shapes)
 
 
 def static_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], simplify: bool,
@@ -208,30 +192,27 @@ def keep_outputs(gm: fx.GraphModule, select: Callable[[Any], Any]) -> None:
     gm.recompile()
 
 
-def tangent_verification_run(gm: fx.GraphModule, inputs: tuple,
-                             template: fx.GraphModule) -> Any:
-    """Call the JVP module ``gm`` on ``inputs`` and seeded random tangents (the numeric check
-    of :func:`fxad.dynamic.generalize`)."""
-    gen = torch.Generator().manual_seed(0)
-    tangents = []
-    for (name, captured_val, differentiated), x in zip(template.meta["fxad_jvp_inputs"],
-                                                        inputs):
-        tangents.append(pytree.tree_map(
-            lambda v: torch.randn(v.shape, dtype=v.dtype, generator=gen)
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-            else None, x) if differentiated else None)
-    return gm(*inputs, *tangents)
-
-
 def build_hvp(f: Callable, example_inputs: tuple, *, argnums: Any,
-              leaf_modules: Iterable[type], simplify: bool) -> JVPModule:
-    """:func:`fxad.hvp`: the JVP of the generated gradient code (forward-over-reverse)."""
+              leaf_modules: Iterable[type], simplify: bool, dynamic: Any = None,
+              dynamic_shapes: Any = None) -> JVPModule:
+    """:func:`fxad.hvp`: the JVP of the generated gradient code (forward-over-reverse); on
+    symbolic sizes, both builds are (the gradient code reads its sizes from its inputs, and
+    its JVP is captured on symbolic sizes again)."""
     with fused_kernels(False):  # the gradient code is differentiated again: no fused kernels
         g = build_vjp(f, example_inputs, argnums=argnums, leaf_modules=leaf_modules,
-                      simplify=simplify, seed_ones=True)
-    out = static_jvp(g, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     argnums=argnums, select=lambda out: out[1], suffix="HVP",
-                     name=getattr(f, "__name__", "f"))
+                      simplify=simplify, seed_ones=True, dynamic=dynamic,
+                      dynamic_shapes=dynamic_shapes)
+
+    def jvp_of_grad(inputs: tuple) -> JVPModule:
+        return static_jvp(g, inputs, leaf_modules=leaf_modules, simplify=simplify,
+                          argnums=argnums, select=lambda out: out[1], suffix="HVP",
+                          name=getattr(f, "__name__", "f"))
+
+    if wants_symbolic(dynamic, dynamic_shapes):
+        out = symbolic_build(jvp_of_grad, argument_names(f, len(example_inputs)),
+                             example_inputs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    else:
+        out = jvp_of_grad(example_inputs)
     out.meta["fxad_grad_module"] = g
     return out
 

@@ -72,8 +72,8 @@ def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -
     # kept on the module object itself (a module's ``meta`` is copied into the modules built
     # from it, so it cannot hold a per-module cache)
     cache = gm.__dict__.setdefault(_CACHE_KEY, {})
-    key = (kind,) + tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
-                          for v in examples)
+    key = (kind,) + tuple((tuple(str(n) for n in v.shape), v.dtype)  # sizes may be SymInts
+                          if isinstance(v, torch.Tensor) else repr(v) for v in examples)
     if key not in cache:
         cache[key] = (body_vjp if kind == "vjp" else body_jvp)(gm, examples)
     return cache[key]

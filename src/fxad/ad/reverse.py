@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 from ..errors import FxadError, RuleError
 from ..graph.factories import record_factories
 from ..graph.proxy import Emitter, TensorProxy, describe_target, fetch_attr
+from ..graph.sizes import known_equal, known_one
 from ..rules.registry import _NEEDED, Rule, missing_rule
 from .modules import ModuleRef, ModuleSlot
 from .node_rules import rule_for
@@ -284,15 +285,26 @@ class ReverseTransform:
         missing dimensions (from a reduction rule) is expanded (``expand``).
         """
         cs, ls = tuple(ct.meta.shape), tuple(like.shape)
-        if cs != ls:
+        if not known_equal(cs, ls):
             k = len(ls)
             aligned = cs[len(cs) - k:] if len(cs) >= k else (1,) * (k - len(cs)) + cs
-            reduced = tuple(1 if lsz == 1 else csz for csz, lsz in zip(aligned, ls))
-            if len(cs) > k or reduced != aligned:
+            reduced = tuple(1 if known_one(lsz) else csz for csz, lsz in zip(aligned, ls))
+            if len(cs) > k or not known_equal(reduced, aligned):
                 if len(cs) < k:
                     ct = torch.reshape(ct, aligned)
-                ct = ct.sum_to_size(reduced)
-            if tuple(ct.meta.shape) != ls:  # (also a 0-d cotangent of a 1-element tensor)
+                if any(isinstance(s, torch.SymInt) for s in cs + ls):
+                    # on symbolic sizes, name the summed dimensions: sum_to_size would
+                    # decide at run time (and guard here) whether each size is 1
+                    lead = len(cs) - k if len(cs) > k else 0
+                    keep = tuple(lead + i for i, (r, a) in enumerate(zip(reduced, aligned))
+                                 if known_one(r) and not known_one(a))
+                    if keep:
+                        ct = ct.sum(keep, keepdim=True)
+                    if lead:
+                        ct = ct.sum(tuple(range(lead)))
+                else:
+                    ct = ct.sum_to_size(reduced)
+            if not known_equal(tuple(ct.meta.shape), ls):  # (also a 0-d cotangent of a 1-element tensor)
                 ct = ct.expand(ls)
         if ct.meta.dtype != like.dtype:
             ct = ct.to(like.dtype)
@@ -355,7 +367,12 @@ class ReverseTransform:
                     c is None for c in pytree.tree_leaves(ct, is_leaf=lambda x: x is None))):
                 continue
             if isinstance(ct, fx.Proxy) and ct.node.op != "placeholder":
-                ct.node.meta.setdefault("fxad_cot_of", node.name)
+                # named after the value as the VJP graph names it (the items of a rule's
+                # tuple may have taken the source graph's names)
+                value = self.env.get(node)
+                ct.node.meta.setdefault("fxad_cot_of", value.node.name if isinstance(
+                    value, fx.Proxy) and value.node.op not in ("placeholder", "get_attr")
+                    else node.name)
             meta = {"fxad_bwd_of": node.name}
             if entry.rule is not None and entry.rule.residuals is not None:
                 meta["fxad_residuals"] = entry.rule.residuals  # the rule's declaration

@@ -32,9 +32,10 @@ from .. import codegen
 from ..capture.normalize import normalize
 from ..capture.tracer import capture
 from ..graph.proxy import Emitter
+from ..graph.sizes import bind_sizes
 from ..guards import InputSpec, spec_of
 from ..rules.fallback import warn_fallbacks
-from ..rules.fused import fused_kernels
+from ..rules.fused import enabled as fused_enabled, fuse_formulas, fused_kernels
 from ..simplify import simplify as run_simplifier
 from ..simplify._util import resolve
 from ..simplify.effects import input_mutations_last
@@ -50,10 +51,14 @@ __all__ = ["Derivative", "captured", "vjp_graph", "jvp_graph", "finish_vjp", "fi
 
 def captured(f: Callable | torch.nn.Module, example_inputs: tuple,
              leaf_modules: Iterable[type] = ()) -> fx.GraphModule:
-    """``f`` captured on ``example_inputs`` and normalized (what :func:`fxad.trace` returns)."""
+    """``f`` captured on ``example_inputs`` and normalized (what :func:`fxad.trace` returns);
+    at fused level ``"all"`` (code built to run) with written-out formulas one kernel
+    computes replaced by it (:func:`fxad.rules.fused.fuse_formulas`)."""
     f = without_fused_kernels(f)
     gm = capture(f, example_inputs, leaf_modules=leaf_modules)
     normalize(gm)
+    if fused_enabled("all"):
+        fuse_formulas(gm)
     return gm
 
 
@@ -154,6 +159,7 @@ def finish_vjp(d: Derivative, *, simplify: bool, cotangent_pytree: bool) -> None
     if not single and cotangent_pytree:
         cotangent_argument(d.graph, outputs, len(inputs))
     input_mutations_last(d.graph)
+    bind_sizes(d.graph)
     codegen.install(d.graph)
 
 
@@ -237,6 +243,7 @@ def finish_jvp(d: Derivative, *, simplify: bool) -> None:
         run_simplifier(d.graph)
     name_tangents(d.graph)
     input_mutations_last(d.graph)
+    bind_sizes(d.graph)
     codegen.install(d.graph)
 
 

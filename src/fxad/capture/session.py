@@ -23,12 +23,12 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, InplaceError, SourceLoc
-from ..graph.proxy import compute_meta, to_fake, user_source_loc
+from ..graph.proxy import compute_meta, reference_of, to_fake, user_source_loc
 from ..graph.shapes import OUTPUT_META
 from .environment import capture_environment
 from .mode import CaptureMode, handle
 from .state import has_tensor, snapshot, symbolic
-from .values import compute_with_values, is_data_dependent, knows_some
+from .values import compute_with_values, is_data_dependent, knows_some, note_index_bounds
 from .views import replay, root_of
 
 _SCALAR_TYPES = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
@@ -80,6 +80,7 @@ class Session:
         # computed from them only): id(fake) -> real CPU tensor, and the inputs it came from
         self.known: dict[int, torch.Tensor] = {}
         self.known_src: dict[int, frozenset[int]] = {}
+        self.index_bounds: dict[int, Any] = {}    # id(fake) -> exclusive bound (symbolic)
         self.value_inputs: set = set()            # inputs / constants whose values it read
         self.const_objs: dict[int, torch.Tensor] = {}
         self.module_stack: dict[str, tuple[str, type]] = {}  # modules being called
@@ -188,7 +189,7 @@ class Session:
         if isinstance(a, _SCALAR_TYPES) or isinstance(a, fx.Node):
             return a
         if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) and symbolic():
-            return a  # a size in a symbolic run (fxad.dynamic), whose graph is not kept
+            return a  # a symbolic size (fxad.symbolic): bound to size code before codegen
         if isinstance(a, tuple) and hasattr(a, "_fields"):
             return type(a)(*[self.arg(v, what) for v in a])
         if isinstance(a, torch.Size):
@@ -231,7 +232,10 @@ class Session:
         try:
             with torch._C.DisableTorchFunction():
                 try:
-                    return run(*fargs, **fkwargs)
+                    out = run(*fargs, **fkwargs)
+                    if symbolic():
+                        note_index_bounds(self, func, fargs, fkwargs, out)
+                    return out
                 except RuntimeError as e:
                     if "requires_grad" not in str(e) or not torch.is_grad_enabled():
                         raise
@@ -243,6 +247,13 @@ class Session:
         except CaptureError:
             raise
         except Exception as e:
+            if symbolic() and "expected to contain only concrete integers" in str(e):
+                # a kernel without symbolic-size support: the output metadata from PyTorch's
+                # Python reference of the op (torch._refs), which computes on SymInts
+                ref = reference_of(func)
+                if ref is not None:
+                    with torch._C.DisableTorchFunction():
+                        return ref(*fargs, **fkwargs)
             if (is_data_dependent(e) or "data is not allocated" in str(e)) \
                     and knows_some(self, args, kwargs):
                 try:

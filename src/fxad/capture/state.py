@@ -44,9 +44,9 @@ def switched_to(cap: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def symbolic_shapes(mode: Any) -> Iterator[None]:
-    """Capture with ``mode`` (a FakeTensorMode with a ShapeEnv) as the fake mode, accepting
-    symbolic sizes as arguments: the run :mod:`fxad.dynamic` uses to find the program's
-    decisions on sizes (its graph is discarded)."""
+    """Build with ``mode`` (a FakeTensorMode with a ShapeEnv) as the fake mode, accepting
+    symbolic sizes (``SymInt``) as node arguments: the symbolic build of
+    :mod:`fxad.symbolic`."""
     old = proxy._FAKE_MODE
     proxy._FAKE_MODE = mode
     _STATE.symbolic = True

@@ -90,15 +90,18 @@ Modules (each imports only those listed before it, and fxad's lower layers)
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import linecache
+import logging
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..errors import InputError
+from ..errors import InputError, SourceLoc
 from ..graph.proxy import compute_meta, fake_mode, to_fake
 from .module_state import module_state, restore_module_state, warn_rebound
 from .patching import user_globals
@@ -106,10 +109,30 @@ from .session import Session
 from .state import capturing, has_tensor, symbolic_shapes
 from .values import KNOWN_NUMEL
 
-__all__ = ["capture", "capturing", "symbolic_shapes"]
+__all__ = ["capture", "capturing", "symbolic_shapes", "argument_names"]
 
 
-def _input_names(params: list[inspect.Parameter], n: int) -> list[str]:
+def argument_names(f: Callable | torch.nn.Module, n: int) -> list[str]:
+    """The names :func:`capture` gives the ``n`` positional inputs of ``f`` (its parameter
+    names; ``args_<k>`` for a ``*args``).
+
+    Raises:
+        InputError: ``f`` takes fewer than ``n`` positional arguments.
+    """
+    if isinstance(f, fx.GraphModule) and "fxad_input_spec" in f.meta:
+        return list(f.meta["fxad_input_spec"].names[:n])
+    if callable(f) and not inspect.isfunction(f) and not isinstance(f, torch.nn.Module):
+        f = _as_function(f, n)
+    if isinstance(f, torch.nn.Module):
+        fn = inspect.unwrap(type(f).forward)
+        return _input_names(list(inspect.signature(fn).parameters.values())[1:], n, fn,
+                            f"{type(f).__name__}.forward")
+    return _input_names(list(inspect.signature(f).parameters.values()), n, f,
+                        getattr(f, "__name__", "f"))
+
+
+def _input_names(params: list[inspect.Parameter], n: int, fn: Any = None,
+                 what: str = "the function") -> list[str]:
     names: list[str] = []
     for p in params:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
@@ -120,9 +143,16 @@ def _input_names(params: list[inspect.Parameter], n: int) -> list[str]:
             break
         if len(names) == n:
             break
-    if len(names) < n:
-        raise InputError(f"{n} example inputs given but the function takes {len(names)} "
-                         "positional arguments")
+    if len(names) < n:  # named at the user's def line, with the arguments it does take
+        code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+        loc = None if code is None else SourceLoc(
+            code.co_filename, code.co_firstlineno, code.co_name,
+            linecache.getline(code.co_filename, code.co_firstlineno).strip())
+        raise InputError(
+            f"{n} example inputs given but {what} takes {len(names)} positional "
+            f"argument{'' if len(names) == 1 else 's'} ({', '.join(names) or 'none'})",
+            loc=loc, hint=f"pass one example input per positional argument of {what}, in "
+                          "order (on the command line: one --input per argument)")
     return names
 
 
@@ -154,9 +184,9 @@ def _inputs(cap: Session, names: list[str], examples: Sequence[Any]) -> list[Any
             v = _program_value(example)
             cap.track(v, ph)
             cap.input_roots[id(v)] = ph
-            if not (example.is_floating_point() or example.is_complex()) \
-                    and example.device.type == "cpu" and example.numel() <= KNOWN_NUMEL \
-                    and not isinstance(example, FakeTensor):
+            if not isinstance(example, FakeTensor) \
+                    and not (example.is_floating_point() or example.is_complex()) \
+                    and example.device.type == "cpu" and example.numel() <= KNOWN_NUMEL:
                 # a small integer input: its value is known, and guarded if the program
                 # reads it (lengths of a packed sequence)
                 cap.known[id(v)] = example.detach().clone()
@@ -225,11 +255,12 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
         raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
     cap = Session(root, not isinstance(f, torch.nn.Module), tuple(leaf_modules))
     cap.user_globals = user_globals(f)
-    names = _input_names(params, len(example_inputs))
+    names = _input_names(params, len(example_inputs), fn if isinstance(f, torch.nn.Module)
+                         else f, f"{name}.forward" if isinstance(f, torch.nn.Module) else name)
     values = _inputs(cap, names, example_inputs)
     state = module_state(root)
     try:
-        with cap.environment(), fake_mode(), torch.enable_grad(), cap.mode:
+        with _quiet_meta_log(), cap.environment(), fake_mode(), torch.enable_grad(), cap.mode:
             result = f(*values)
         out_args = cap.arg(result, "return")
     finally:
@@ -255,6 +286,20 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
     return gm
+
+
+@contextlib.contextmanager
+def _quiet_meta_log() -> Iterator[None]:
+    """PyTorch's fake tensors log each meta kernel that fails, with its traceback; capture
+    reports the failure itself (a ``CaptureError`` naming the user's line), so that logger
+    is silenced while capturing."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _as_function(method: Any, n: int) -> Callable:

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..graph.proxy import fake_mode, to_fake
+from ..graph.sizes import has_symbolic_shape
 
 KNOWN_NUMEL = 1 << 14
 
@@ -121,6 +122,8 @@ def note_known(cap: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None
     if any(known_value(cap, v) is None for v in tensors):
         return
     outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+    if any(has_symbolic_shape(v) for v in outs):  # values that depend on symbolic sizes
+        return
     if not outs or any(v.numel() > KNOWN_NUMEL or v.is_floating_point() and
                        v.numel() > 64 for v in outs):
         return
@@ -161,3 +164,54 @@ def known_answer(cap: Any, func: Any, args: tuple, kwargs: dict) -> tuple[bool, 
     for src in sources(cap, tensors):
         cap.value_inputs.add(src)
     return True, answer
+
+
+# -- index bounds of symbolic sizes --------------------------------------------------------
+# ``torch.arange(T)`` on a symbolic ``T`` has no known values, but its largest value is known
+# (``T - 1``).  Used as indices into a table of static size (a position embedding), it makes
+# the program valid only for ``T <= rows``: that becomes a guard at the user's line, as eager
+# would raise an IndexError there.
+
+_BOUND_KEEPING = {"unsqueeze", "view", "reshape", "expand", "expand_as", "to", "long", "int",
+                  "contiguous", "flatten", "squeeze", "__getitem__", "repeat", "detach",
+                  "clone", "type", "view_as", "reshape_as", "broadcast_to"}
+_INDEXING = {"embedding", "index_select", "__getitem__", "take_along_dim", "gather"}
+
+
+def note_index_bounds(cap: Any, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    """Record the exclusive upper bound of ``torch.arange`` results over a symbolic size (and
+    of shape-only views of them), and guard their use as indices into a static dimension."""
+    name = getattr(func, "__name__", "")
+    bounds = cap.index_bounds
+    if name == "arange" and isinstance(out, torch.Tensor) and has_symbolic_shape(out):
+        ends = [a for a in args if isinstance(a, (int, torch.SymInt))]
+        step = kwargs.get("step", args[2] if len(ends) >= 3 else 1)
+        if ends and (step == 1) and all(isinstance(a, (int, torch.SymInt)) for a in ends[:2]):
+            bounds[id(out)] = ends[1] if len(ends) >= 2 else ends[0]
+            cap.keep.append(out)
+        return
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    bounded = [(t, bounds[id(t)]) for t in tensors if id(t) in bounds]
+    if not bounded:
+        return
+    if name in _BOUND_KEEPING and args and isinstance(args[0], torch.Tensor) \
+            and id(args[0]) in bounds and isinstance(out, torch.Tensor):
+        bounds[id(out)] = bounds[id(args[0])]
+        cap.keep.append(out)
+    if name not in _INDEXING:
+        return
+    if name == "embedding":
+        idx, table, dim = args[0], args[1] if len(args) > 1 else kwargs.get("weight"), 0
+    elif name == "__getitem__":
+        table, idx, dim = args[0], args[1] if len(args) > 1 else None, 0
+    else:  # index_select(x, dim, index), gather(x, dim, index), take_along_dim(x, idx, dim)
+        table = args[0]
+        idx = next((t for t, _ in bounded if t is not table), None)
+        dim = next((a for a in args[1:] if isinstance(a, int)), kwargs.get("dim", 0))
+    if not isinstance(idx, torch.Tensor) or id(idx) not in bounds \
+            or not isinstance(table, torch.Tensor) or table.dim() == 0:
+        return
+    rows = table.shape[dim % table.dim()]
+    if isinstance(rows, int):
+        with fake_mode():
+            torch._check(bounds[id(idx)] <= rows)

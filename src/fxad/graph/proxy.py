@@ -28,6 +28,9 @@ import threading
 from typing import Any, Iterator
 
 import torch
+import torch._refs
+import torch._refs.nn.functional
+import torch._refs.special
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
@@ -83,7 +86,8 @@ _SKIP_DIRS = tuple(os.path.join(d, "") for d in (
     os.path.join(_FXAD_DIR, "codegen"), os.path.join(_FXAD_DIR, "check"),
     os.path.join(_FXAD_DIR, "training"), _TORCH_DIR))
 _SKIP_FILES = tuple(os.path.join(_FXAD_DIR, f) for f in (
-    "api.py", "higher.py", "pipeline.py", "ops.py", "__init__.py", "coverage.py"))
+    "api.py", "higher.py", "pipeline.py", "symbolic.py", "guards.py", "ops.py", "__init__.py",
+    "coverage.py"))
 _SITE_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
@@ -239,6 +243,22 @@ class TensorProxy(fx.Proxy):
         return self.tracer.create_proxy("call_method", "detach", (self,), {})
 
 
+def reference_of(func: Any) -> Any:
+    """PyTorch's Python reference implementation (``torch._refs``) of a torch function or
+    tensor method, or None: it computes output metadata on symbolic sizes where a C++ kernel
+    cannot ("SymIntArrayRef expected to contain only concrete integers")."""
+    name = getattr(func, "__name__", "")
+    for table in (torch._refs, torch._refs.nn.functional, torch._refs.special):
+        ref = getattr(table, name, None)
+        if callable(ref):
+            return ref
+    return None
+
+
+def _symbolic_gap(e: Exception) -> bool:
+    return "expected to contain only concrete integers" in str(e)
+
+
 def _val_of(a: Any) -> Any:
     if isinstance(a, fx.Node):
         return a.meta.get("val")
@@ -280,7 +300,13 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
             with mode:
                 if target in OUTPUT_META:  # the op's fake execution would need data
                     return OUTPUT_META[target](*fargs, **fkwargs)
-                return target(*fargs, **fkwargs)
+                try:
+                    return target(*fargs, **fkwargs)
+                except RuntimeError as e:
+                    ref = reference_of(target) if _symbolic_gap(e) else None
+                    if ref is None:
+                        raise
+                    return ref(*fargs, **fkwargs)
         except Exception as e:
             known = _with_known_values(target, args, kwargs, e, graph_owner)
             if known is None:
@@ -293,7 +319,14 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
             with mode:  # in-place: do not mutate the metadata of the input node
                 self_v = self_v.clone()
         with mode:
-            return getattr(self_v, target)(*rest, **fkwargs)
+            try:
+                return getattr(self_v, target)(*rest, **fkwargs)
+            except RuntimeError as e:
+                ref = reference_of(getattr(torch.Tensor, target, None)) \
+                    if _symbolic_gap(e) else None
+                if ref is None:
+                    raise
+                return ref(self_v, *rest, **fkwargs)
     if kind == "call_module":
         assert graph_owner is not None
         mod = graph_owner.get_submodule(target)

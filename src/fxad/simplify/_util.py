@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..graph.sizes import known_equal
 from ..rules.registry import is_random_call, kind_of
 
 
@@ -58,7 +59,7 @@ def val(x: Any) -> Any:
 def same_type(a: Any, b: Any) -> bool:
     """True when fake values ``a`` and ``b`` are tensors of equal shape and dtype."""
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-        and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+        and known_equal(tuple(a.shape), tuple(b.shape)) and a.dtype == b.dtype
 
 
 _ALIASES: "weakref.WeakKeyDictionary[fx.Graph, dict[str, str]]" = weakref.WeakKeyDictionary()

@@ -156,16 +156,18 @@ def _onednn_enabled() -> bool:
 
 
 def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[type],
-               channels_last: bool | str = False) -> fx.GraphModule:
+               channels_last: bool | str = False, dynamic_shapes: Any = None) -> fx.GraphModule:
     """``fxad.vjp`` of ``model`` as captured in the current autocast state (casts explicit),
     differentiated with autocast off; run the result under ``_AutocastOff``.
     The code is built to run, not to be read: fused backward kernels at level ``"all"``
     (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off, and CPU
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
-    ``channels_last`` (``"casts"``: only the weights autocast casts)."""
+    ``channels_last`` (``"casts"``: only the weights autocast casts).  ``dynamic_shapes``
+    (a tuple in argument order, :mod:`fxad.symbolic`): build on symbolic sizes."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
     with _AutocastOff(_autocast_devices()), fused.for_execution():
-        g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules)
+        g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules,
+                 dynamic_shapes=dynamic_shapes)
     if channels_last:
         channels_last_convolutions(g, casts_only=channels_last == "casts")
     return g

@@ -2,10 +2,12 @@
 forward and backward graphs in an ordinary training loop.  See :mod:`fxad.training`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from .. import distributed as _dist
@@ -17,7 +19,27 @@ from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
 from .capture import _onednn_enabled, _vjp_graph, autocast_state
 from .edited import EditedModule
 
-__all__ = ["compile", "FxadModule"]
+__all__ = ["compile", "FxadModule", "Build"]
+
+
+@dataclass(frozen=True)
+class Build:
+    """One capture :func:`compile` made (``FxadModule.builds``).
+
+    Attributes:
+        number: 1 for the first build.
+        shapes: the input shapes it was built at (``None`` for a non-tensor input).
+        reason: why it was built: the first call; sizes changed (the changed dimensions are
+            made symbolic, as ``torch.compile``'s automatic dynamic shapes do); a symbolic
+            build's guard failed; or a new dtype, device, structure, Python value, training
+            flags or autocast state.
+        symbols: the symbolic sizes of the build and the input dimensions that carry them
+            (empty for a build on the example shapes).
+    """
+    number: int
+    shapes: list
+    reason: str
+    symbols: dict
 
 
 class FxadModule(torch.nn.Module):
@@ -41,6 +63,12 @@ class FxadModule(torch.nn.Module):
         self.checkpoint = checkpoint
         self.grad_release = grad_release
         self._plans: dict[Any, _Plan] = {}
+        # automatic dynamic shapes: per shape-free signature, the plans built on symbolic
+        # sizes and the input shapes every build saw
+        self._symbolic: dict[Any, list[_Plan]] = {}
+        self._shapes_seen: dict[Any, list[list[tuple[int, ...] | None]]] = {}
+        self._dynamic_dims: dict[Any, set[tuple[int, int]]] = {}
+        self.builds: list[Build] = []
         self._structure: tuple[list, list, list] | None = None
         self._fsdp: Any = None  # FSDPDriver, found on the first call
         self._fsdp_checked = False
@@ -83,6 +111,19 @@ class FxadModule(torch.nn.Module):
         modes = tuple(m.training for m in mods)
         trainable = tuple(q.requires_grad for _, _, q in prefs)
         return tuple(sig), modes, trainable, autocast_state()
+
+    def _shape_free(self, key: Any) -> Any:
+        """The signature with every tensor shape replaced by its rank."""
+        sig, *rest = key
+
+        def strip(entry: Any) -> Any:
+            if isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], tuple) \
+                    and isinstance(entry[1], torch.dtype):
+                return (len(entry[0]),) + entry[1:]
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+                return (entry[0], tuple(strip(v) for v in entry[1]))
+            return entry
+        return (tuple(strip(e) for e in sig), *rest)
 
     def _driver(self) -> Any:
         """The FSDP2 driver when the wrapped model uses ``fully_shard`` (found once)."""
@@ -133,32 +174,70 @@ class FxadModule(torch.nn.Module):
     def _plan(self, inputs: tuple) -> _Plan:
         key = self._signature(inputs)
         p = self._plans.get(key)
-        if p is None:
-            argnums = tuple(i for i, x in enumerate(inputs)
-                            if isinstance(x, torch.Tensor) and x.requires_grad
-                            and (x.is_floating_point() or x.is_complex()))
-            layout: bool | str = self.channels_last
-            if layout is None:  # where the cast copies the weight anyway: see the module doc
-                layout = "casts" if _onednn_enabled() else False
-            g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout)
-            part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
-            accumulate_in_place(part.bwd_gm)  # run once, never transformed again
-            cast_methods(part.fwd_gm)
-            cast_methods(part.bwd_gm)
-            p = _Plan(part, len(inputs), g)
-            how = self._stage_units(p)
-            if how is not None:
-                p.set_staged(split_backward(part, *how))
-            drv = self._fsdp
-            if drv is not None:
-                self._params(p)
-                if p.staged is not None:
-                    sp = _dist.stage_plan(drv, p.param_refs, p.staged.params, p.staged.reads)
-                else:  # one stage: everything unsharded for it
-                    allp = list(range(len(part.param_names)))
-                    sp = _dist.stage_plan(drv, p.param_refs, [allp], [allp])
-                p.before_stage = lambda s, _d=drv, _sp=sp: _d.before_stage(s, _sp)
-            self._plans[key] = p
+        if p is not None:
+            return p
+        free = self._shape_free(key)
+        for q in self._symbolic.get(free, ()):
+            if q.vjp_gm.meta["fxad_input_spec"].admits(inputs) is None:
+                self._plans[key] = q  # this size is served by a build on symbolic sizes
+                return q
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
+        seen = self._shapes_seen.setdefault(free, [])
+        dims = self._dynamic_dims.setdefault(free, set())
+        for old in seen:  # like torch.compile: the dimensions that changed become symbolic
+            for i, (a, b) in enumerate(zip(old, shapes)):
+                if a is not None and b is not None:
+                    dims.update((i, d) for d, (x, y) in enumerate(zip(a, b)) if x != y)
+        seen.append(shapes)
+        dynamic_shapes = None
+        if dims:
+            dynamic_shapes = tuple(
+                {d: Dim.AUTO for i2, d in sorted(dims) if i2 == i} or None
+                if isinstance(x, torch.Tensor) else None for i, x in enumerate(inputs))
+        p = self._build(inputs, dynamic_shapes)
+        self._plans[key] = p
+        if dynamic_shapes is not None:
+            self._symbolic.setdefault(free, []).append(p)
+        if not self.builds:
+            reason = "first call"
+        elif dynamic_shapes is not None and len(self._symbolic[free]) == 1:
+            reason = "sizes changed: " + ", ".join(
+                f"dimension {d} of input {i}" for i, d in sorted(dims)) + " made symbolic"
+        elif dynamic_shapes is not None:
+            reason = "the sizes broke a guard of the symbolic build"
+        else:
+            reason = ("new dtype, device, structure, Python value, training flags or "
+                      "autocast state")
+        self.builds.append(Build(len(self.builds) + 1, shapes, reason,
+                                 p.vjp_gm.meta.get("fxad_shapes", {}).get("symbols", {})))
+        return p
+
+    def _build(self, inputs: tuple, dynamic_shapes: Any) -> _Plan:
+        argnums = tuple(i for i, x in enumerate(inputs)
+                        if isinstance(x, torch.Tensor) and x.requires_grad
+                        and (x.is_floating_point() or x.is_complex()))
+        layout: bool | str = self.channels_last
+        if layout is None:  # where the cast copies the weight anyway: see the module doc
+            layout = "casts" if _onednn_enabled() else False
+        g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout,
+                       dynamic_shapes=dynamic_shapes)
+        part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
+        accumulate_in_place(part.bwd_gm)  # run once, never transformed again
+        cast_methods(part.fwd_gm)
+        cast_methods(part.bwd_gm)
+        p = _Plan(part, len(inputs), g)
+        how = self._stage_units(p)
+        if how is not None:
+            p.set_staged(split_backward(part, *how))
+        drv = self._fsdp
+        if drv is not None:
+            self._params(p)
+            if p.staged is not None:
+                sp = _dist.stage_plan(drv, p.param_refs, p.staged.params, p.staged.reads)
+            else:  # one stage: everything unsharded for it
+                allp = list(range(len(part.param_names)))
+                sp = _dist.stage_plan(drv, p.param_refs, [allp], [allp])
+            p.before_stage = lambda s, _d=drv, _sp=sp: _d.before_stage(s, _sp)
         return p
 
     def _params(self, plan: _Plan) -> list[torch.Tensor]:
@@ -251,7 +330,10 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
 
     The model is captured on first call for each input signature (shapes, dtypes,
     ``requires_grad``), set of ``training`` flags and autocast state; pass
-    ``example_inputs`` to capture eagerly.  Parameters are explicit inputs of the forward
+    ``example_inputs`` to capture eagerly.  Shapes are dynamic automatically, as in
+    ``torch.compile``: the first call at new sizes rebuilds once with the dimensions that
+    changed made symbolic (:mod:`fxad.symbolic`); later sizes its guards admit reuse that
+    build.  ``m.builds`` lists every build and why it happened (:class:`Build`).  Parameters are explicit inputs of the forward
     graph, read from the live model on every call (optimizer updates and replaced parameters
     are seen) and saved for backward as autograd saves them (an in-place change between
     forward and backward raises); buffers are read and updated in the model.  Structure

@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
+from torch.export import Dim
 
 from .. import distributed as _dist
 from ..errors import InputError
@@ -44,6 +45,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                policy: str | Policy | None = "min_memory",
                leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
                checkpoint: Checkpoint | bool | None = None, vjp: Any = None,
+               dynamic: bool | None = None, dynamic_shapes: Any = None,
                **compile_kwargs: Any) -> Callable:
     """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
     param_grads)`` (as :func:`fxad.grad` returns them: ``param_grads`` a dict by parameter
@@ -113,16 +115,27 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     (with cotangent 1) instead of fxad's graph, checking the file's guards on every call;
     ``compile`` as above, the other options do not apply.
 
+    ``dynamic`` / ``dynamic_shapes``: build on symbolic sizes, as in :func:`fxad.vjp`
+    (:mod:`fxad.symbolic`); the step then serves every size its guards admit (and
+    ``torch.compile`` is asked for dynamic shapes).  Every call checks the inputs against
+    what the step was built for (shapes, or the symbolic build's guards).
+
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
-            wrapped in DDP/FSDP or sharded with ``fully_shard``.
+            wrapped in DDP/FSDP or sharded with ``fully_shard``; when called, inputs the
+            step was not built for.
     """
     if vjp is not None:
         return edited_joint_step(model, vjp, example_inputs, compile, compile_kwargs)
     _dist.check_joint_step_target(model)
     if channels_last is None:
         channels_last = _onednn_enabled()
-    v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last)
+    if dynamic and dynamic_shapes is None:
+        dynamic_shapes = tuple({d: Dim.AUTO for d in range(x.dim())}
+                               if isinstance(x, torch.Tensor) else None for x in example_inputs)
+    v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last,
+                   dynamic_shapes=dynamic_shapes)
+    spec = v.meta["fxad_input_spec"]
     devices = _autocast_devices()
     out = v.graph.output_node().args[0]
     val = out[0].meta.get("val") if isinstance(out[0], fx.Node) else None
@@ -139,9 +152,14 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
         if backend == "inductor" and "options" not in compile_kwargs \
                 and "mode" not in compile_kwargs:
             compile_kwargs["options"] = dict(JOINT_INDUCTOR_OPTIONS)
+        if dynamic_shapes is not None:
+            compile_kwargs.setdefault("dynamic", True)
         fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
 
     def step(*inputs: Any) -> Any:
+        why = spec.admits(inputs)
+        if why is not None:
+            raise InputError(f"fxad.joint_step: {why}")
         with torch.no_grad(), _AutocastOff(devices):
             return fn(*inputs)
 

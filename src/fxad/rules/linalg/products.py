@@ -32,6 +32,9 @@ def _matmul_bwd(a, b, d):
         return d2 * b, torch.squeeze(a.mT @ d2, -1)
     if a.dim() == 2 and b.dim() == 2:
         return d @ b.t(), a.t() @ d
+    if b.dim() == 2:  # (..., m, n) @ (n, p): the batch folds into rows, d_b is one product
+        n, p = b.shape
+        return d @ b.t(), torch.reshape(a, (-1, n)).t() @ torch.reshape(d, (-1, p))
     return d @ b.mT, a.mT @ d
 
 

@@ -8,6 +8,8 @@ Each mode has three steps, kept apart so that the fuzzer can tell what failed:
 (build and run fxad's code; an exception there is a refusal or a crash), ``compare_*``
 (raises :class:`Mismatch` on any wrong value, shape, dtype or missing derivative).
 """
+import random
+
 import torch
 import fxad
 from torch.autograd import forward_ad as fwAD
@@ -173,3 +175,54 @@ def compare_forward(expected, got):
         if not _is_float(o):
             continue
         _close(f"forward: tangent of output {k}", g, w, derivative=True)
+
+
+DYNAMIC_SIZES = 3  # other sizes the dynamic mode checks a symbolic build at
+
+
+def check_other_sizes(f, built, inputs, seed, names):
+    """Check ``built`` (fxad.vjp on symbolic sizes) at DYNAMIC_SIZES other sizes its guards admit
+    (size 1 first, then each symbolic size moved up by 1..4).  Raises :class:`Mismatch` on a wrong value.
+    Sizes where eager PyTorch itself fails are skipped.  Returns how many sizes were checked
+    (fewer where the guards admit no other size)."""
+    spec = built.meta["fxad_input_spec"]
+    symbols = spec.symbols
+    if not symbols:
+        return 0
+    rng = random.Random(seed * 7919 + len(symbols))
+    checked = 0
+    for attempt in range(4 * DYNAMIC_SIZES):
+        if checked == DYNAMIC_SIZES:
+            break
+        new: dict[tuple[int, int], int] = {}
+        for members in symbols.values():
+            i, _, d = members[0]
+            old = inputs[i].shape[d]
+            size = 1 if attempt == 0 and old != 1 else old + rng.randint(1, 4)
+            new.update({(i2, d2): size for i2, _, d2 in members})
+        gen = torch.Generator().manual_seed(seed + 100 + attempt)
+        resized = []
+        for i, x in enumerate(inputs):
+            shape = tuple(new.get((i, d), n) for d, n in enumerate(x.shape))
+            if x.is_floating_point():
+                resized.append(torch.randn(shape, dtype=x.dtype, generator=gen))
+            elif x.dtype == torch.bool:
+                resized.append(torch.randint(0, 2, shape, generator=gen).bool())
+            else:
+                lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+                resized.append(torch.randint(lo, hi + 1, shape, generator=gen, dtype=x.dtype))
+        resized = tuple(resized)
+        if spec.admits(resized) is not None:
+            continue
+        try:
+            expected = eager_reverse(f, resized, seed)
+        except Exception:  # noqa: BLE001 - no reference at these sizes (an index past the
+            continue       # end of a shrunk dimension); code fxad drops may not even run it
+        got = run_vjp(built, resized, expected)
+        try:
+            compare_reverse(expected, got, names)
+        except Mismatch as e:
+            raise Mismatch(f"dynamic, at shapes {[tuple(x.shape) for x in resized]}: "
+                                  f"{e}") from None
+        checked += 1
+    return checked

@@ -34,7 +34,9 @@ from .generator import eager_ok, generate
 from .program import Program, Stmt, forget
 
 CLASSES = ("pass", "refusal", "wrong", "crash")
-MODES = ("reverse", "forward")
+#: reverse: fxad.vjp; forward: fxad.jvp; dynamic: fxad.vjp on symbolic sizes, checked at the
+#: example and at oracle.DYNAMIC_SIZES other sizes its guards admit
+MODES = ("reverse", "forward", "dynamic")
 
 
 @dataclass
@@ -106,7 +108,7 @@ def run_mode(prog: Program, mode: str, f: Callable | None = None) -> Outcome:
     try:
         inputs = prog.make_inputs()
         try:
-            if mode == "reverse":
+            if mode in ("reverse", "dynamic"):
                 expected = oracle.eager_reverse(f, inputs, prog.input_seed)
             else:
                 expected = oracle.eager_forward(f, inputs, prog.input_seed)
@@ -116,9 +118,17 @@ def run_mode(prog: Program, mode: str, f: Callable | None = None) -> Outcome:
         try:
             with warnings.catch_warnings(), _Quiet():
                 warnings.simplefilter("ignore")
-                built = fxad.vjp(f, *inputs) if mode == "reverse" else fxad.jvp(f, *inputs)
+                built = fxad.vjp(f, *inputs) if mode == "reverse" else \
+                    fxad.vjp(f, *inputs, dynamic=True) if mode == "dynamic" else \
+                    fxad.jvp(f, *inputs)
                 phase = "run"
-                if mode == "reverse":
+                if mode == "dynamic":
+                    got = oracle.run_vjp(built, inputs, expected)
+                    phase = "compare"
+                    oracle.compare_reverse(expected, got, names)
+                    phase = "run at other sizes"
+                    oracle.check_other_sizes(f, built, inputs, prog.input_seed, names)
+                elif mode == "reverse":
                     got = oracle.run_vjp(built, inputs, expected)
                     phase = "compare"
                     oracle.compare_reverse(expected, got, names)
@@ -285,7 +295,12 @@ def reproducer_source(prog: Program, outcome: Outcome) -> str:
 
     detail = "\n".join("#   " + line for line in outcome.detail.strip().splitlines()[:12])
     names = [i.name for i in prog.inputs]
-    if outcome.mode == "reverse":
+    if outcome.mode == "dynamic":
+        main = ("    expected = eager_reverse(f, inputs, SEED)\n"
+                "    g = fxad.vjp(f, *inputs, dynamic=True)\n"
+                f"    compare_reverse(expected, run_vjp(g, inputs, expected), {names!r})\n"
+                f"    check_other_sizes(f, g, inputs, SEED, {names!r})\n")
+    elif outcome.mode == "reverse":
         main = ("    expected = eager_reverse(f, inputs, SEED)\n"
                 "    got = fxad_reverse(f, inputs, expected)\n"
                 f"    compare_reverse(expected, got, {names!r})\n")
