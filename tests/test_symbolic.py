@@ -134,7 +134,8 @@ def test_python_decision_on_a_size_is_a_guard_naming_the_line():
         x = torch.randn(n, dtype=D)
         xr = x.clone().requires_grad_()
         torch.testing.assert_close(g(x)[1][0], torch.autograd.grad(f(xr), xr)[0])
-    with pytest.raises(fxad.InputError, match=r"x_size_0 <= 10 \(required by `if x.shape\[0\] > 10:`"):
+    with pytest.raises(fxad.InputError,
+                       match=r"x_size_0 <= 10 \(required by `if x.shape\[0\] > 10:`"):
         g(torch.randn(12, dtype=D))
 
 
@@ -151,7 +152,8 @@ def test_a_loop_over_a_size_fixes_it():
     torch.testing.assert_close(g(x)[1][0], torch.autograd.grad(f(xr), xr)[0])
     with pytest.raises(fxad.InputError, match=r"`x` has shape \(6, 3\)"):
         g(torch.randn(6, 3, dtype=D))
-    with pytest.raises(fxad.InputError, match=r"declared dynamic \(N\).*fixes it to 4 at .*range\(x.shape\[0\]\)"):
+    with pytest.raises(fxad.InputError,
+                       match=r"declared dynamic \(N\).*fixes it to 4 at .*range\(x.shape\[0\]\)"):
         fxad.grad(f, torch.randn(4, 3, dtype=D), dynamic_shapes={"x": {0: Dim("N")}})
 
 
@@ -282,3 +284,34 @@ def test_fuzzer_dynamic_mode_checks_other_sizes():
     classes = [r.outcomes["dynamic"].cls for r in results]
     assert "wrong" not in classes and "crash" not in classes, classes
     assert classes.count("pass") >= 10
+
+
+def test_custom_function_and_scan_on_symbolic_sizes():
+    from torch._higher_order_ops.scan import scan
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    def f(x):
+        return Square.apply(x.tanh()).sum(1).mean()
+
+    def g(x):
+        def step(c, xt):
+            c = torch.tanh(c + xt)
+            return c, c * 2
+        return scan(step, torch.zeros_like(x[0]), x)[1].sum()
+
+    for fn, dyn in ((f, {"x": {0: Dim("B"), 1: Dim("N")}}), (g, {"x": {1: Dim("N")}})):
+        d = fxad.grad(fn, torch.randn(6, 3, dtype=D), dynamic_shapes=dyn)
+        for shape in [(6, 1), (6, 4)] + ([(2, 5)] if fn is f else []):
+            x = torch.randn(shape, dtype=D)
+            xr = x.clone().requires_grad_()
+            torch.testing.assert_close(d(x)[1][0], torch.autograd.grad(fn(xr), xr)[0])

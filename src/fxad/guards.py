@@ -148,7 +148,8 @@ class InputSpec:
                 raise InputError(
                     f"argument {self._where(i, j)} has shape {tuple(shape)}, but this module "
                     f"was traced for shape {want} (fxad specializes on input shapes); "
-                    f"{self.rebuild}, or build with dynamic=True (or dynamic_shapes=) so that sizes may vary")
+                    f"{self.rebuild}, or build with dynamic=True (or dynamic_shapes=) so "
+                    "that sizes may vary")
             if v.dtype != slot.dtype:
                 raise InputError(f"argument {self._where(i, j)} has dtype {v.dtype}, but this "
                                  f"module was traced for {slot.dtype}; {self.rebuild}")

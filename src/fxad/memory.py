@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .graph.sizes import size_hint
 from .rules.registry import kind_of
 
 __all__ = ["MemoryEstimate", "simulate", "nbytes", "is_view"]
@@ -49,8 +50,9 @@ class MemoryEstimate:
 
 
 def nbytes(node: fx.Node) -> int:
-    """Bytes of a node's value from ``meta['val']`` (0 for non-tensor values)."""
-    return sum(int(v.numel()) * v.element_size()
+    """Bytes of a node's value from ``meta['val']`` (0 for non-tensor values; symbolic sizes
+    at the example inputs' values)."""
+    return sum(size_hint(v.numel()) * v.element_size()
                for v in pytree.tree_leaves(node.meta.get("val"))
                if isinstance(v, torch.Tensor))
 

@@ -216,6 +216,14 @@ class ShapePlan:
         spec.values = {i: self.examples[i].detach().cpu().clone() for i in spec.values_at
                        if isinstance(self.examples[i], torch.Tensor)}
         gm.meta["fxad_shapes"] = self.describe(spec)
+        gm.meta["fxad_shape_plan"] = self
+        self._guards_checked = len(self.env.guards)
+
+    def refresh(self, gm: fx.GraphModule) -> None:
+        """Check again after later passes (a partition into forward and backward) took
+        decisions on the sizes: their guards join ``gm``'s."""
+        if len(self.env.guards) != getattr(self, "_guards_checked", -1):
+            self.finish(gm)
 
     def _dim_text(self, key: tuple[int, int, int]) -> str:
         i, j, d = key
@@ -395,9 +403,12 @@ def plan_shapes(names: list[str], examples: tuple, *, dynamic: Any = None,
             different example sizes; an example size outside a ``Dim``'s range.
     """
     specs = _parse(names, examples, dynamic, dynamic_shapes)
-    env = _LocatedShapeEnv(duck_shape=False)
+    # (replay events are for debugging torch.compile; the fake-tensor cache costs more than
+    # it saves in a build that runs each op once)
+    env = _LocatedShapeEnv(duck_shape=False, should_record_events=False)
     env.guards = _GuardLog()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    mode.cache_enabled = False
     plan = ShapePlan(list(names), tuple(examples), env, mode, specs=specs, oblivious=oblivious)
     by_name: dict[str, tuple[tuple[int, int, int], Any]] = {}
     fakes = []

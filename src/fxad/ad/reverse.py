@@ -304,7 +304,8 @@ class ReverseTransform:
                         ct = ct.sum(tuple(range(lead)))
                 else:
                     ct = ct.sum_to_size(reduced)
-            if not known_equal(tuple(ct.meta.shape), ls):  # (also a 0-d cotangent of a 1-element tensor)
+            # (also a 0-d cotangent of a 1-element tensor)
+            if not known_equal(tuple(ct.meta.shape), ls):
                 ct = ct.expand(ls)
         if ct.meta.dtype != like.dtype:
             ct = ct.to(like.dtype)

@@ -42,7 +42,7 @@ from ..errors import CaptureError
 
 __all__ = ["SYM_TYPES", "is_symbolic", "expr_of", "bind_sizes", "has_symbolic_args",
            "SizeCode", "python_source", "size_names", "known_equal", "known_one",
-           "has_symbolic_shape"]
+           "has_symbolic_shape", "size_hint"]
 
 _STATE = threading.local()
 
@@ -202,6 +202,17 @@ def known_equal(a: Any, b: Any) -> bool:
 def known_one(s: Any) -> bool:
     """A size that is 1 for every value of the symbols (a broadcast dimension)."""
     return known_equal(s, 1)
+
+
+def size_hint(n: Any) -> int:
+    """An int, or a symbolic size's value at the example inputs, without a guard (for
+    estimates such as byte counts, never for decisions about the code)."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        if hint is None:
+            raise CaptureError(f"the size {n} has no value at the example inputs")
+        return int(hint)
+    return int(n)
 
 
 def has_symbolic_shape(t: Any) -> bool:

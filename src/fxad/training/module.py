@@ -229,6 +229,8 @@ class FxadModule(torch.nn.Module):
         how = self._stage_units(p)
         if how is not None:
             p.set_staged(split_backward(part, *how))
+        if "fxad_shape_plan" in g.meta:  # decisions the passes took on symbolic sizes
+            g.meta["fxad_shape_plan"].refresh(g)
         drv = self._fsdp
         if drv is not None:
             self._params(p)
@@ -333,11 +335,12 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     ``example_inputs`` to capture eagerly.  Shapes are dynamic automatically, as in
     ``torch.compile``: the first call at new sizes rebuilds once with the dimensions that
     changed made symbolic (:mod:`fxad.symbolic`); later sizes its guards admit reuse that
-    build.  ``m.builds`` lists every build and why it happened (:class:`Build`).  Parameters are explicit inputs of the forward
-    graph, read from the live model on every call (optimizer updates and replaced parameters
-    are seen) and saved for backward as autograd saves them (an in-place change between
-    forward and backward raises); buffers are read and updated in the model.  Structure
-    changes (a replaced submodule) are detected on the next call.
+    build.  ``m.builds`` lists every build and why it happened (:class:`Build`).
+    Parameters are explicit inputs of the forward graph, read from the live model on every
+    call (optimizer updates and replaced parameters are seen) and saved for backward as
+    autograd saves them (an in-place change between forward and backward raises); buffers
+    are read and updated in the model.  Structure changes (a replaced submodule) are
+    detected on the next call.
 
     Args:
         policy: residual policy: ``"save"`` (default: recompute nothing, keeping what

@@ -155,6 +155,8 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
         if dynamic_shapes is not None:
             compile_kwargs.setdefault("dynamic", True)
         fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
+    if "fxad_shape_plan" in v.meta:  # decisions the passes took on symbolic sizes
+        v.meta["fxad_shape_plan"].refresh(v)
 
     def step(*inputs: Any) -> Any:
         why = spec.admits(inputs)

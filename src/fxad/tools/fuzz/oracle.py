@@ -182,7 +182,8 @@ DYNAMIC_SIZES = 3  # other sizes the dynamic mode checks a symbolic build at
 
 def check_other_sizes(f, built, inputs, seed, names):
     """Check ``built`` (fxad.vjp on symbolic sizes) at DYNAMIC_SIZES other sizes its guards admit
-    (size 1 first, then each symbolic size moved up by 1..4).  Raises :class:`Mismatch` on a wrong value.
+    (size 1 first, then each symbolic size moved up by 1..4).  Raises :class:`Mismatch` on a
+    wrong value.
     Sizes where eager PyTorch itself fails are skipped.  Returns how many sizes were checked
     (fewer where the guards admit no other size)."""
     spec = built.meta["fxad_input_spec"]

@@ -1,0 +1,174 @@
+"""Builds on symbolic sizes against builds on the example's sizes (fxad.symbolic).
+
+Three measurements, each printed as a table with medians and ratios:
+
+1. **Build time**, ``fxad.grad(gpt, idx, tgt, argnums=())`` static against
+   ``dynamic=True``, for GPTs of 1 to 32 blocks (d=64, 4 heads, vocabulary 256).
+2. **Step time** of the generated code: the symbolic build's code (reads its sizes from the
+   inputs) against the static build's code at the same size, interleaved rounds; and both
+   against ``torch.autograd`` and ``torch.compile(dynamic=True)`` of the model's
+   forward + backward.
+3. **A training loop over 26 sequence lengths** (5..30) through ``fxad.compile``: how many
+   builds, and the loop's time against a static build per length.
+
+Usage::
+
+    python benchmarks/bench_dynamic.py            # all, 1 thread
+    python benchmarks/bench_dynamic.py --quick    # blocks 1, 2, 4; fewer rounds
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxad
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, blocks: int, d: int = 64, heads: int = 4, vocab: int = 256,
+                 positions: int = 128) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1))
+
+
+def _ids(B: int, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g)
+
+
+def build_times(blocks: list[int], repeats: int) -> None:
+    print("1. build time: fxad.grad(gpt, idx, tgt, argnums=()), B=4, T=32 (median of "
+          f"{repeats}; s)")
+    print(f"{'blocks':>6} {'static':>8} {'dynamic':>8} {'ratio':>6}")
+    idx, tgt = _ids(4, 32)
+    fxad.grad(GPT(1), idx, tgt, argnums=())  # warm-up: first-use costs of torch and fxad
+    for n in blocks:
+        torch.manual_seed(0)
+        m = GPT(n)
+        st, dy = [], []
+        for _ in range(repeats):  # interleaved
+            t0 = time.perf_counter()
+            fxad.grad(m, idx, tgt, argnums=())
+            st.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fxad.grad(m, idx, tgt, argnums=(), dynamic=True)
+            dy.append(time.perf_counter() - t0)
+        s, d = statistics.median(st), statistics.median(dy)
+        print(f"{n:>6} {s:8.2f} {d:8.2f} {d / s:6.2f}")
+
+
+def _median_ms(fn, rounds: int) -> float:
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def step_times(rounds: int) -> None:
+    torch.manual_seed(0)
+    m = GPT(2, d=128)
+    idx, tgt = _ids(4, 64)
+    g_static = fxad.grad(m, idx, tgt, argnums=())
+    g_dynamic = fxad.grad(m, idx, tgt, argnums=(), dynamic=True)
+
+    def autograd() -> None:
+        m.zero_grad(set_to_none=True)
+        m(idx, tgt).backward()
+
+    compiled = torch.compile(m, dynamic=True)
+
+    def compiled_step() -> None:
+        m.zero_grad(set_to_none=True)
+        compiled(idx, tgt).backward()
+
+    for fn in (lambda: g_static(idx, tgt), lambda: g_dynamic(idx, tgt), autograd,
+               compiled_step):
+        for _ in range(3):
+            fn()
+    rows = {"static code": [], "symbolic code": [], "torch.autograd": [],
+            "torch.compile(dynamic=True)": []}
+    fns = dict(zip(rows, (lambda: g_static(idx, tgt), lambda: g_dynamic(idx, tgt), autograd,
+                          compiled_step)))
+    for _ in range(rounds):  # interleaved rounds of 5 calls each
+        for k, fn in fns.items():
+            rows[k].append(_median_ms(fn, 5))
+    base = statistics.median(rows["static code"])
+    print(f"\n2. step time (value and gradients), GPT 2 blocks d=128, B=4, T=64 "
+          f"(median of {rounds} rounds; ms, ratio to the static code)")
+    for k, v in rows.items():
+        med = statistics.median(v)
+        print(f"   {k:28s} {med:8.2f}  {med / base:5.3f}")
+
+
+def length_loop() -> None:
+    torch.manual_seed(0)
+    m = GPT(2)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    cm = fxad.compile(m)
+    t0 = time.perf_counter()
+    for T in range(5, 31):
+        idx, tgt = _ids(4, T, seed=T)
+        opt.zero_grad(set_to_none=True)
+        cm(idx, tgt).backward()
+        opt.step()
+    auto = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for T in range(5, 31):  # what a build per length costs
+        idx, tgt = _ids(4, T, seed=T)
+        fxad.grad(m, idx, tgt, argnums=())
+    static = time.perf_counter() - t0
+    print(f"\n3. fxad.compile over 26 lengths (T = 5..30), GPT 2 blocks d=64, B=4: "
+          f"{len(cm.builds)} builds, {auto:.1f} s for the loop; a static build per length "
+          f"alone: {static:.1f} s")
+    for b in cm.builds:
+        print(f"   build {b.number}: {b.reason}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    build_times([1, 2, 4] if args.quick else [1, 2, 4, 8, 16, 32], 3 if args.quick else 5)
+    step_times(5 if args.quick else 15)
+    length_loop()
+
+
+if __name__ == "__main__":
+    main()
