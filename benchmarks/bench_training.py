@@ -36,7 +36,7 @@ Usage::
 ``--policy`` applies one residual policy to b and d; by default each uses its API's own default
 (``fxad.compile``: ``"save"``, autograd's saved set; ``fxad.joint_step``: ``"min_memory"``).
 
-The GPU figures of the README (GPT-2 small: 12 layers, d=768, batch 8, sequence 1024, bf16)::
+The GPU runs of docs/performance.md (GPT-2 small: 12 layers, d=768, batch 8, sequence 1024, bf16)::
 
     python benchmarks/bench_training.py --device cuda --size full --models gpt --dtypes bf16
 

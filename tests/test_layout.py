@@ -165,7 +165,7 @@ SRC = RULES.parent
 # bottom up; a module belongs to the layer of its longest matching prefix (a prefix matches
 # the module itself and its submodules; "fxad" only the package's __init__)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("fxad.errors", "fxad.naming", "fxad.ops", "fxad._version")),
+    ("base", ("fxad.errors", "fxad.naming", "fxad.ops", "fxad._version", "fxad.argparsing")),
     ("op record", ("fxad.rules.registry",)),
     ("graph", ("fxad.graph",)),
     ("passes", ("fxad.simplify", "fxad.codegen", "fxad.memory", "fxad.op_kinds",
@@ -173,11 +173,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("capture", ("fxad.capture",)),
     ("rules", ("fxad.rules",)),
     ("engines", ("fxad.ad",)),
-    ("pipeline", ("fxad.pipeline", "fxad.dynamic")),
+    ("pipeline", ("fxad.pipeline", "fxad.symbolic")),
     ("public", ("fxad", "fxad.api", "fxad.higher", "fxad.check", "fxad.residuals",
                 "fxad.training", "fxad.distributed", "fxad.view", "fxad.plot", "fxad.demo",
-                "fxad.cli", "fxad.__main__", "fxad.eject")),
-    ("tools", ("fxad.tools",)),
+                "fxad.eject")),
+    ("tools", ("fxad.tools", "fxad.cli", "fxad.__main__")),  # the command line runs the tools
 ]
 
 

@@ -57,7 +57,7 @@ from torch.utils._sympy.numbers import int_oo
 from .capture.state import capturing, symbolic_shapes
 from .errors import CaptureError, InputError, SourceLoc
 from .graph.proxy import user_source_loc
-from .graph.sizes import expr_of, is_symbolic, python_source, size_names
+from .graph.sizes import expr_of, is_symbolic, python_source, size_names, unbacked_sizes
 from .guards import InputSpec
 
 __all__ = ["ShapePlan", "plan_shapes", "wants_symbolic", "symbolic_build"]
@@ -488,10 +488,22 @@ def symbolic_build(build: Any, names: list[str], examples: tuple, *, dynamic: An
     try:
         with plan.building():
             out = build(plan.fakes)
+            _no_unbacked(out)
     except CaptureError:
         plan = plan_shapes(names, examples, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
                            oblivious=False)
         with plan.building():
             out = build(plan.fakes)
+            _no_unbacked(out)
     plan.finish(out)
     return out
+
+
+def _no_unbacked(gm: fx.GraphModule) -> None:
+    """Refuse a build with a size PyTorch could not express in the input sizes (an unbacked
+    symbol, from a decision it left open)."""
+    bad = unbacked_sizes(gm.graph)
+    if bad:
+        raise CaptureError(
+            f"a size of the derivative code could not be written in the input sizes "
+            f"({bad[0]}); build this program with static shapes (without dynamic=)")

@@ -134,12 +134,17 @@ def _data_dependent(cap: Any, name: str, args: tuple) -> None:
         raise DataDependentError(
             f"Python control flow depends on the value of tensor {desc}",
             op="bool(Tensor)", loc=user_source_loc(), hint=_COND_HINT)
+    if name == "numpy":  # NumPy code cannot be differentiated: the torch spelling can
+        hint = ("write the NumPy computation with torch functions on the tensor itself "
+                "(torch.exp(t) instead of np.exp(t.numpy())), or compute the array outside "
+                "the traced function and pass it in as a tensor input")
+    else:
+        hint = ("keep the value as a tensor (x * t instead of x * t.item()); a Python number "
+                "that must stay a number can be passed as an argument of the traced "
+                "function, which fxad specializes on")
     raise DataDependentError(
         f"{name}() needs the data of {desc}, which is not available while tracing (fxad "
-        "specializes on shapes only)", op=f"Tensor.{name}", loc=user_source_loc(),
-        hint="keep the value as a tensor (x * t instead of x * t.item()); a Python number "
-             "that must stay a number can be passed as an argument of the traced function, "
-             "which fxad specializes on")
+        "specializes on shapes only)", op=f"Tensor.{name}", loc=user_source_loc(), hint=hint)
 
 
 def _property(cap: Any, func: Any, prop: str, args: tuple, kwargs: dict) -> Any:

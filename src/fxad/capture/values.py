@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..graph.proxy import fake_mode, to_fake
-from ..graph.sizes import has_symbolic_shape
+from ..graph.sizes import check_squeeze, has_symbolic_shape
 
 KNOWN_NUMEL = 1 << 14
 
@@ -180,8 +180,11 @@ _INDEXING = {"embedding", "index_select", "__getitem__", "take_along_dim", "gath
 
 def note_index_bounds(cap: Any, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
     """Record the exclusive upper bound of ``torch.arange`` results over a symbolic size (and
-    of shape-only views of them), and guard their use as indices into a static dimension."""
+    of shape-only views of them), and guard their use as indices into a static dimension;
+    guard the sizes ``squeeze`` decides on (:func:`fxad.graph.sizes.check_squeeze`)."""
     name = getattr(func, "__name__", "")
+    with fake_mode():
+        check_squeeze(name, args, kwargs)
     bounds = cap.index_bounds
     if name == "arange" and isinstance(out, torch.Tensor) and has_symbolic_shape(out):
         ends = [a for a in args if isinstance(a, (int, torch.SymInt))]

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, SourceLoc
 from .shapes import OUTPUT_META
+from .sizes import check_squeeze
 from ..naming import describe_target  # noqa: F401  (re-exported: capture's own name for it)
 
 _FAKE_MODE: FakeTensorMode | None = None
@@ -312,6 +313,9 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
             if known is None:
                 raise
             return known
+    if kind == "call_method" or kind == "call_function":
+        check_squeeze(getattr(target, "__name__", target) if kind == "call_function"
+                      else target, fargs, fkwargs)
     if kind == "call_method":
         self_v, *rest = fargs
         if isinstance(target, str) and target.endswith("_") and not target.endswith("__") \

@@ -42,7 +42,7 @@ from ..errors import CaptureError
 
 __all__ = ["SYM_TYPES", "is_symbolic", "expr_of", "bind_sizes", "has_symbolic_args",
            "SizeCode", "python_source", "size_names", "known_equal", "known_one",
-           "has_symbolic_shape", "size_hint"]
+           "has_symbolic_shape", "size_hint", "unbacked_sizes", "check_squeeze"]
 
 _STATE = threading.local()
 
@@ -213,6 +213,38 @@ def size_hint(n: Any) -> int:
             raise CaptureError(f"the size {n} has no value at the example inputs")
         return int(hint)
     return int(n)
+
+
+def unbacked_sizes(graph: fx.Graph) -> list[str]:
+    """Nodes of ``graph`` whose value has a size PyTorch could not express in the input sizes
+    (an unbacked symbol ``u0``): ``name: shape``."""
+    out = []
+    for n in graph.nodes:
+        for t in _leaves(n.meta.get("val")):
+            shape = t[1].shape
+            if any(isinstance(s, torch.SymInt) and any(
+                    str(x).startswith("u") for x in s.node.expr.free_symbols) for s in shape):
+                out.append(f"{n.name}: {tuple(shape)}")
+                break
+    return out
+
+
+def check_squeeze(name: str, args: tuple, kwargs: dict) -> None:
+    """``squeeze`` removes the dimensions of size 1 among those it is given (all, without a
+    ``dim``): a symbolic size there must not be 1 on a call, or the result has another rank
+    (a guard; decisions inside PyTorch's operators are size-oblivious and do not record it)."""
+    if name not in ("squeeze", "squeeze_") or not args or not isinstance(args[0], torch.Tensor):
+        return
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None:
+        dims = range(x.dim())
+    elif isinstance(dims, int):
+        dims = [dims]
+    for d in dims:
+        s = x.shape[d]
+        if is_symbolic(s) and not known_one(s):
+            torch._check(s != 1)
 
 
 def has_symbolic_shape(t: Any) -> bool:

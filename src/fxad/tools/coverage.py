@@ -52,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxad
+from ..argparsing import ArgumentParser
 from ..rules import fallback
 from ..rules.dispatch import registered_rule, rule_key
 from ..rules.registry import op_name
@@ -694,11 +695,12 @@ def write_report(results: list[OpResult], path: str, seconds: float | None = Non
         f.write(buf.getvalue())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fxad.tools.coverage", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="coverage_report.md",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the sweep (``python -m fxad.tools.coverage`` and ``fxad coverage``)."""
+    p.add_argument("--out", "-o", default="coverage_report.md",
                    help="report file (.md or .csv); default ./coverage_report.md")
-    p.add_argument("--ops", nargs="*", help="only these OpInfo names")
+    p.add_argument("--only", "--ops", dest="ops", nargs="*", metavar="OP",
+                   help="only these OpInfo names")
     p.add_argument("--max-samples", type=int, default=3, help="float64 samples per op")
     p.add_argument("--f32-samples", type=int, default=1, help="float32 samples per op")
     p.add_argument("--c128-samples", type=int, default=1,
@@ -706,7 +708,17 @@ def main(argv: list[str] | None = None) -> int:
                         "for correctness, pass vs fallback is decided on the real samples)")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds per op")
     p.add_argument("-v", "--verbose", action="store_true", help="print every op")
-    a = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="python -m fxad.tools.coverage", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    """Run the sweep with parsed options (see :func:`add_arguments`); exit status 1 on a
+    wrong derivative."""
 
     def progress(r: OpResult) -> None:
         if a.verbose or r.status in ("wrong", "crash") or r.jvp_status == "wrong":

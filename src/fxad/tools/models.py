@@ -36,8 +36,10 @@ import torch
 import torch.nn as nn
 
 import fxad
+from ..argparsing import ArgumentParser
 
-__all__ = ["Case", "cases", "check_case", "train_case", "time_case", "main"]
+__all__ = ["Case", "cases", "check_case", "train_case", "time_case", "main", "add_arguments",
+           "run"]
 
 D = torch.float64
 
@@ -314,13 +316,23 @@ def time_case(case: Case, *, rounds: int = 20, threads: int = 1) -> dict:
             "build_s": build_s, "lines": len(g.code.splitlines())}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fxad.tools.models", description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="*", help="substrings of case names to run")
-    ap.add_argument("--threads", type=int, default=1)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the suite (``python -m fxad.tools.models`` and ``fxad models``)."""
+    ap.add_argument("--only", nargs="*", metavar="NAME", help="substrings of case names to run")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds per model")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps through fxad.compile")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgumentParser(prog="python -m fxad.tools.models", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite with parsed options (see :func:`add_arguments`); exit status 1 unless
+    every model passes."""
     torch.set_num_threads(args.threads)
     print(f"fxad real-model suite - torch {torch.__version__}, {args.threads} thread(s)")
     rows = []

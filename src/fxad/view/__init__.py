@@ -13,9 +13,10 @@ HTML page (inline CSS, SVG and script; nothing is fetched from the network) with
   op on the right in the same row, colored by source line.
 
 In Jupyter the object displays itself (``_repr_html_``); ``.save(path)`` writes the page;
-``fxad show FILE.py:NAME --input ... --html OUT.html`` does the same from the command line.
-``python -m fxad.view --demo OUT.html`` writes the view of the demo's transformer block
-(``--screenshot PNG`` also renders it with a headless Chromium).
+``fxad view FILE.py:NAME --input ... -o OUT.html`` does the same from the command line.
+``fxad view --demo -o OUT.html`` (or ``python -m fxad.view --demo OUT.html``) writes the view
+of the demo's transformer block (``--screenshot PNG`` also renders it with a headless
+Chromium).  ``repr(view)`` counts lines as the page's header does.
 
 The function ``fxad.view`` shadows this module's name on the ``fxad`` package; import the
 rest from the module itself (``from fxad.view import View``).
@@ -90,10 +91,14 @@ class View:
         return Path(path)
 
     def __repr__(self) -> str:
-        m = self.model
-        return (f"<fxad.View {m.title}: {len(m.fwd_lines)} forward / {len(m.bwd_lines)} "
-                f"derivative lines, {len(m.blocks)} blocks, saved {fmt_bytes(m.saved_bytes)}, "
-                f"peak {fmt_bytes(m.peak_bytes)}>")
+        m = self.model  # the counts of the page's header, in its words
+        text = f"<fxad.View {m.title}: {m.code_lines('fwd')} forward lines"
+        if m.derivative_word:
+            text += (f", {m.code_lines('bwd')} {m.derivative_word} lines in "
+                     f"{len(m.blocks)} blocks")
+        if m.mode in ("reverse", "mixed"):
+            text += f", saved {len(m.saved)} tensors ({fmt_bytes(m.saved_bytes)})"
+        return text + f", peak {fmt_bytes(m.peak_bytes)}>"
 
 
 def view(obj: Any, *inputs: Any, policy: Any = _UNSET, title: str | None = None) -> View:

@@ -1,4 +1,4 @@
-"""Open a page in a real headless Chromium (tests, screenshots for the README).
+"""Open a page in a real headless Chromium (tests, screenshots for the docs).
 
 Uses Playwright's Python package driving the *system* Chromium (Debian's ``chromium``
 package; ``FXAD_CHROMIUM`` names another binary), so nothing is downloaded: ``playwright

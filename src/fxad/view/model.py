@@ -155,6 +155,20 @@ class ViewModel:
     def bwd_lines(self) -> list[Line]:
         return [ln for ln in self.lines if ln.pane == "bwd"]
 
+    def code_lines(self, pane: str) -> int:
+        """Lines of code in a pane (``"fwd"`` or ``"bwd"``): the operations and parameter
+        reads, as the page and ``repr`` count them (the ``def`` line, the input comments and
+        the ``return`` are not counted)."""
+        return sum(1 for ln in self.lines if ln.pane == pane and ln.kind in ("op", "param"))
+
+    @property
+    def derivative_word(self) -> str:
+        """What the derivative lines are called: ``"backward"`` (reverse mode, also when
+        tangent code is mixed in), ``"tangent"`` (forward mode) or ``""`` (a captured graph
+        without derivative code)."""
+        return {"reverse": "backward", "mixed": "backward", "forward": "tangent"}.get(
+            self.mode, "")
+
 
 # ------------------------------------------------------------------------------ statements
 

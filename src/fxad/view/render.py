@@ -134,8 +134,7 @@ def _panes(model: ViewModel) -> str:
         parts.append(_line_html(ln, model, names))
     if open_:
         parts.append("</div>")
-    n_f = sum(1 for ln in fwd if ln.kind in ("op", "param"))
-    n_b = sum(1 for ln in bwd if ln.kind in ("op", "param"))
+    n_f, n_b = model.code_lines("fwd"), model.code_lines("bwd")
     if model.mode == "reverse":
         left, right = "Forward", "Backward"
         rnote = f"{n_b} lines in {len(model.blocks)} blocks · hover a block"
@@ -410,17 +409,43 @@ def _json_script(data: dict) -> str:
     return text.replace("</", "<\\/").replace("<!--", "<\\!--")
 
 
+def _overview(model: ViewModel) -> str:
+    """What the inspector shows while nothing is hovered: the page's derivative in one
+    paragraph (what it takes, what it returns, what it keeps, where memory peaks)."""
+    grads = [ln.grad for ln in model.lines if ln.grad]
+    n_par = sum(1 for g in grads if g.startswith("gradient of parameter"))
+    ins = [g.replace("gradient of input ", "") for g in grads
+           if g.startswith("gradient of input")]
+    facts = [f"{model.code_lines('fwd')} forward lines"]
+    if model.derivative_word:
+        facts.append(f"{model.code_lines('bwd')} {model.derivative_word} lines in "
+                     f"{len(model.blocks)} blocks")
+    if grads:
+        parts = ([f"inputs <code>{_esc(', '.join(ins))}</code>"] if ins else []) + \
+            ([f"{n_par} parameter{'s' if n_par != 1 else ''}"] if n_par else [])
+        facts.append("gradients of " + " and ".join(parts))
+    if model.mode in ("reverse", "mixed"):
+        facts.append(f"{len(model.saved)} saved tensors ({fmt_bytes(model.saved_bytes)}, "
+                     f"policy {_esc(model.policy)})")
+    if model.peak_line is not None:
+        facts.append(f"memory peaks at {fmt_bytes(model.peak_bytes)} after line "
+                     f"{model.peak_line + 1} (<code>{_esc(model.lines[model.peak_line].node or '')}"
+                     "</code>)")
+    return ('<div class="fxv-insp-main"><div class="fxv-insp-k">overview</div>'
+            f'<div class="fxv-insp-what">{_esc(model.title)}</div>'
+            f'<div class="fxv-insp-meta">{_esc(model.subtitle)}</div>'
+            f'<div class="fxv-insp-meta">{" · ".join(facts)}</div></div>')
+
+
 def fragment(model: ViewModel, uid: str | None = None) -> str:
     """The view as one ``<div>`` (with its ``<style>`` and ``<script>``), for a notebook
     cell or to embed in a page."""
     uid = uid or new_uid()
-    n_bwd = sum(1 for ln in model.lines if ln.pane == "bwd" and ln.kind in ("op", "param"))
-    n_fwd = sum(1 for ln in model.lines if ln.pane == "fwd" and ln.kind in ("op", "param"))
+    n_bwd, n_fwd = model.code_lines("bwd"), model.code_lines("fwd")  # as repr(View) counts
     chips = [f'<span class="fxv-chip fxv-c-fwd"><b>{n_fwd}</b> forward lines</span>']
-    if model.mode != "graph":
-        word = "backward" if model.mode in ("reverse", "mixed") else "tangent"
-        chips.append(f'<span class="fxv-chip fxv-c-bwd"><b>{n_bwd}</b> {word} lines · '
-                     f'<b>{len(model.blocks)}</b> blocks</span>')
+    if model.derivative_word:
+        chips.append(f'<span class="fxv-chip fxv-c-bwd"><b>{n_bwd}</b> {model.derivative_word} '
+                     f'lines · <b>{len(model.blocks)}</b> blocks</span>')
     if model.mode in ("reverse", "mixed"):
         chips.append(f'<span class="fxv-chip fxv-c-saved" title="values kept for the backward, each '
                      f'at its size; their storage: {fmt_bytes(model.saved_storage_bytes)}">saved '
@@ -431,11 +456,13 @@ def fragment(model: ViewModel, uid: str | None = None) -> str:
         chips.append(f'<span class="fxv-chip fxv-c-peak">peak <b>{fmt_bytes(model.peak_bytes)}</b> at '
                      f'<code>{_esc(pn)}</code></span>')
     warn = "".join(f'<div class="fxv-warn">{_esc(w)}</div>' for w in model.warnings)
-    hint = ('<div class="fxv-insp-hint">Hover a backward block to see the forward line it '
-            'differentiates and your source line; hover a forward line to see its backward. '
-            'Click to pin, <kbd>Esc</kbd> to release. Shapes and dtypes are on every line; '
-            '<span class="fxv-badge fxv-badge-saved">saved</span> marks the tensors kept for the '
-            'backward, the bar behind each line number the memory alive after it.</div>')
+    hint = _overview(model) + (
+        '<div class="fxv-insp-hint"><div class="fxv-insp-k">how to read it</div>Hover a '
+        'backward block to see the forward line it differentiates and your source line; hover '
+        'a forward line to see its backward. Click to pin, <kbd>Esc</kbd> to release. Shapes '
+        'and dtypes are on every line; <span class="fxv-badge fxv-badge-saved">saved</span> '
+        'marks the tensors kept for the backward, the bar behind each line number the memory '
+        'alive after it.</div>')
     css = _asset("view.css")
     js = _asset("view.js")
     n_rows = max(sum(1 for ln in model.lines if ln.pane == "fwd"),

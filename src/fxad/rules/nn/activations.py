@@ -288,13 +288,13 @@ def _pointwise(f: Any, deriv: Any, doc: str, samples: Any = None) -> type:
 
         def bwd(aux, d):
             x, out, params = aux
-            return (d * deriv(x, out, *params),)
+            return (_scaled(d, deriv(x, out, *params)),)
 
         def jvp(primals, tangents):
             x, params = primals[0], primals[1:]
             out = f(x, *params)
             t = tangents[0]
-            return out, (None if t is None else t * deriv(x, out, *params))
+            return out, (None if t is None else _scaled(t, deriv(x, out, *params)))
 
     Pointwise.samples = samples or default_samples
     return Pointwise
@@ -302,6 +302,21 @@ def _pointwise(f: Any, deriv: Any, doc: str, samples: Any = None) -> type:
 
 def _where(c, a, b):
     return torch.where(c, a, b)
+
+
+class _Mask:
+    """A derivative that is ``scale`` where ``mask`` holds and 0 elsewhere: applied as
+    ``torch.where(mask, d * scale, 0)``, as PyTorch's backward kernels do, so that a NaN
+    cotangent outside the mask gives 0 (a product would give NaN)."""
+
+    def __init__(self, mask, scale=1.0):
+        self.mask, self.scale = mask, scale
+
+
+def _scaled(d, deriv):
+    if isinstance(deriv, _Mask):
+        return torch.where(deriv.mask, d if deriv.scale == 1.0 else d * deriv.scale, 0.0)
+    return d * deriv
 
 
 register_vjp(F.elu)(_pointwise(
@@ -328,16 +343,16 @@ register_vjp(F.leaky_relu)(_pointwise(
 register_vjp(F.hardtanh)(_pointwise(
     lambda input, min_val=-1.0, max_val=1.0, inplace=False: F.hardtanh(input, min_val,
                                                                        max_val),
-    lambda x, y, lo, hi, inplace: ((x > lo) & (x < hi)).to(x.dtype),
+    lambda x, y, lo, hi, inplace: _Mask((x > lo) & (x < hi)),
     "hardtanh: d_x = d where min < x < max, else 0 (derivatives.yaml `hardtanh`: "
     "hardtanh_backward)"))
 register_vjp(F.relu6)(_pointwise(
     lambda input, inplace=False: F.relu6(input),
-    lambda x, y, inplace: ((x > 0) & (x < 6)).to(x.dtype),
+    lambda x, y, inplace: _Mask((x > 0) & (x < 6)),
     "relu6 = hardtanh(x, 0, 6): d_x = d where 0 < x < 6 (derivatives.yaml `hardtanh`)"))
 register_vjp(F.hardsigmoid)(_pointwise(
     lambda input, inplace=False: F.hardsigmoid(input),
-    lambda x, y, inplace: ((x > -3) & (x < 3)).to(x.dtype) / 6,
+    lambda x, y, inplace: _Mask((x > -3) & (x < 3), 1 / 6),
     "hardsigmoid: d_x = d / 6 where -3 < x < 3 (derivatives.yaml `hardsigmoid`)"))
 register_vjp(F.hardswish)(_pointwise(
     lambda input, inplace=False: F.hardswish(input),
