@@ -403,12 +403,10 @@ def plan_shapes(names: list[str], examples: tuple, *, dynamic: Any = None,
             different example sizes; an example size outside a ``Dim``'s range.
     """
     specs = _parse(names, examples, dynamic, dynamic_shapes)
-    # (replay events are for debugging torch.compile; the fake-tensor cache costs more than
-    # it saves in a build that runs each op once)
+    # (the ShapeEnv's replay log is for debugging torch.compile, and costs a third of a build)
     env = _LocatedShapeEnv(duck_shape=False, should_record_events=False)
     env.guards = _GuardLog()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    mode.cache_enabled = False
     plan = ShapePlan(list(names), tuple(examples), env, mode, specs=specs, oblivious=oblivious)
     by_name: dict[str, tuple[tuple[int, int, int], Any]] = {}
     fakes = []

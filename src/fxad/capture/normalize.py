@@ -33,6 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..graph.proxy import compute_meta, take_name
+from ..graph.sizes import known_equal
 
 _METHOD_TO_OPERATOR: dict[str, Callable] = {
     "add": operator.add, "__add__": operator.add, "sub": operator.sub, "__sub__": operator.sub,
@@ -235,7 +236,8 @@ def _make(gm: fx.GraphModule, g: fx.Graph, op: str, target: Any, args: tuple, kw
         return None
     old = like.meta.get("val")
     if check and isinstance(old, torch.Tensor):
-        if not isinstance(val, torch.Tensor) or val.shape != old.shape or val.dtype != old.dtype:
+        if not isinstance(val, torch.Tensor) or val.dtype != old.dtype \
+                or not known_equal(tuple(val.shape), tuple(old.shape)):
             return None
     new = g.create_node(op, target, args, kwargs)
     new.meta = {k: v for k, v in like.meta.items()}

@@ -1,20 +1,30 @@
 """Code generation: readable names, provenance comments and torch-API spellings.
 
-:func:`name_cotangents` renames cotangent nodes ``d_<primal>``; :func:`install` attaches a
-body transformer to a graph so that its generated Python (``gm.code``, ``to_folder``)
+:func:`name_cotangents` renames cotangent nodes ``d_<primal>`` (a part of a cotangent that
+is added to the rest, ``d_<primal>_part``) and the items of multi-output ops
+(:mod:`fxad.codegen.names`); :func:`install` makes a graph's generated Python (``gm.code``,
+``to_folder``) read as a person writes it:
 
-* spells functions by their public name (``torch.nn.functional.gelu``, not
+* functions by their public name (``torch.nn.functional.gelu``, not
   ``torch._C._nn.gelu``; ``torch.split``, not ``torch.functional.split``);
-* carries, above each backward block, ``# backward of: <forward statement>  [file.py:line]``
-  (``# tangent of: ...`` above forward-mode tangent code).
+* above each backward block, ``# backward of: <forward statement>  [file.py:line]``
+  (``# tangent of: ...`` above forward-mode tangent code);
+* a multi-output call as one tuple-unpacking statement,
+  ``layer_norm, mean, rstd = torch.native_layer_norm(...)``, and a fused forward kernel whose
+  extra outputs nothing reads as the function the user called (:mod:`fxad.codegen.unpack`);
+* no argument equal to the op's default (:mod:`fxad.codegen.defaults`).
 
-The transformer relies on the ``# COUNTER: i`` markers FX puts in the body (torch >= 2.1);
-without them the code is unchanged apart from the spellings.
+Only the printing changes (the graph keeps its nodes and arguments), and the printed code is
+the code that runs: :func:`install` sets up the graph's code generation before its
+``GraphModule`` compiles it.  The transformer relies on the ``# COUNTER: i`` markers FX puts
+in the body (torch >= 2.1); without them the code is unchanged apart from the spellings and
+the arguments.
 """
 from __future__ import annotations
 
 import operator
 import re
+import types
 from typing import Any
 
 import torch
@@ -22,6 +32,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..simplify._util import is_random, resolve
+from .defaults import printed_arguments
+from .names import AUTO_NAME, name_outputs
+from .unpack import Plan, plain_call, plans, render
 
 _COUNTER = re.compile(r"# COUNTER: (\d+)")
 _PRIVATE_NN = re.compile(r"\btorch\._C\._nn\.(\w+)\b")
@@ -87,11 +100,17 @@ class BodyTransformer:
             else:
                 cur[1].append(public_spelling(entry))
         groups.append(cur)
+        absorbed, single = self._unpack(groups, nodes)
         stmt_of: dict[str, str] = {}
         out: list[str] = []
         prev_block: Any = None
         for idx, entries in groups:
             node = nodes[idx] if idx is not None and idx < len(nodes) else None
+            if node is not None and node in absorbed:
+                # an item the unpacking statement of its call binds: no line of its own
+                stmt_of[node.name] = stmt_of.get(absorbed[node].name, "")
+                out.append(f"# COUNTER: {idx}\n")
+                continue
             if node is not None:
                 stmt = _statement(entries)
                 stmt_of[node.name] = stmt
@@ -106,12 +125,42 @@ class BodyTransformer:
                         out.append(f"# in place: {loc.code}  [{loc.short()}]\n")
                 prev_block = block if node.op != "placeholder" else prev_block
                 if self.annotate is not None and entries:
-                    note = self.annotate(node)
+                    note = self.annotate(single.get(node, node))
                     if note:
                         entries = _append_note(entries, note)
             out.append(f"# COUNTER: {idx}\n" if idx is not None else "")
             out.extend(entries)
         return [e for e in out if e != ""]
+
+    def _unpack(self, groups: list[tuple[int | None, list[str]]], nodes: list[fx.Node],
+                ) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+        """Rewrite the lines of each multi-output call that prints as one statement
+        (:func:`fxad.codegen.unpack.plans`) in ``groups``; returns the items whose lines the
+        statements replace (item -> call) and, for a call printed as the plain function, the
+        item it computes (call -> item)."""
+        where = {nodes[idx]: k for k, (idx, _) in enumerate(groups)
+                 if idx is not None and idx < len(nodes)}
+        absorbed: dict[fx.Node, fx.Node] = {}
+        single: dict[fx.Node, fx.Node] = {}
+        plain = self.graph._codegen.__dict__.get("_fxad_plain", set())
+        for root, plan in plans(self.graph, plain).items():
+            done = _unpacked(plan, groups, where)
+            if done is None:
+                if root in plain:  # (not expected) the call holds its one item itself
+                    for m in plan.members:
+                        k = where.get(m)
+                        if k is not None:
+                            groups[k] = (groups[k][0], [re.sub(r"\[0\]", "", e, count=1)
+                                                        for e in groups[k][1]])
+                continue
+            text, plain = done
+            groups[where[root]] = (groups[where[root]][0], [text])
+            for m in plan.members:
+                groups[where[m]] = (groups[where[m]][0], [])
+                absorbed[m] = root
+            if plain:
+                single[root] = plan.members[0]
+        return absorbed, single
 
     def _header(self, block: tuple[str, str], node: fx.Node, stmt_of: dict[str, str]) -> str:
         kind, block = block  # type: ignore[assignment]
@@ -145,6 +194,44 @@ class BodyTransformer:
         return block
 
 
+_ASSIGN = re.compile(r"(?P<ind>[ \t]*)(?P<lhs>\w+) = (?P<rhs>.*?)"
+                     r"(?:;  (?P<dels>(?:\w+ = )+)None)?\n?", re.S)
+_ITEM_LINE = re.compile(r"(?P<ind>[ \t]*)(?P<lhs>\w+) = (?P<src>\w+)\[(?P<idx>\d+)\]"
+                        r"(?:;  (?P<dels>(?:\w+ = )+)None)?\n?")
+
+
+def _deleted(m: re.Match) -> list[str]:
+    return [x for x in (m.group("dels") or "").split(" = ") if x]
+
+
+def _unpacked(plan: Plan, groups: list[tuple[int | None, list[str]]],
+              where: dict[fx.Node, int]) -> tuple[str, bool] | None:
+    """The one statement of ``plan`` from the lines FX printed for its call and items, and
+    whether it is the plain function's; None when the lines are not the plain assignments
+    expected (they stay as printed)."""
+    if plan.root not in where or any(m not in where for m in plan.members):
+        return None
+    head = _ASSIGN.fullmatch("".join(groups[where[plan.root]][1]))
+    if head is None or _ITEM_LINE.fullmatch(head.group(0)) is not None:
+        return None
+    printed: dict[fx.Node, str] = {plan.root: head.group("lhs")}
+    dels = _deleted(head)
+    for m in plan.members:
+        item = _ITEM_LINE.fullmatch("".join(groups[where[m]][1]))
+        if item is None or item.group("src") != printed.get(m.args[0]) \
+                or int(item.group("idx")) != m.args[1]:
+            return None
+        printed[m] = item.group("lhs")
+        dels += _deleted(item)
+    unbound = {printed[plan.root]} | {printed[m] for m in plan.unbound}
+    dels = [d for d in dict.fromkeys(dels) if d not in unbound]
+    rhs = head.group("rhs")
+    plain = plan.single is not None
+    target = printed[plan.single] if plain else render(plan.pattern, printed)
+    tail = f";  {' = '.join(dels)} = None" if dels else ""
+    return f"{head.group('ind')}{target} = {rhs}{tail}\n", plain
+
+
 def _is_draw(node: fx.Node | None) -> bool:
     """A node that allocates or fills random noise (``torch.empty_like``, ``x.new_empty``,
     ``torch.rand``, an in-place random method)."""
@@ -175,8 +262,68 @@ def _append_note(entries: list[str], note: str) -> list[str]:
 
 
 def install(graph: fx.Graph, *, annotate: Any = None) -> None:
-    """Attach the fxad body transformer to ``graph`` (replacing any previous one)."""
-    graph._codegen._body_transformer = BodyTransformer(graph, annotate=annotate)
+    """Set up ``graph``'s code generation (see the module docstring): name the items of
+    multi-output ops (unless a ``GraphModule`` already compiled the graph: its code keeps the
+    names it has), attach the body transformer (replacing any previous one) and leave out
+    default arguments.  Call it before building the graph's ``GraphModule``."""
+    if graph.owning_module is None:
+        name_outputs(graph)
+    cg = graph._codegen
+    cg._body_transformer = BodyTransformer(graph, annotate=annotate)
+    if not isinstance(cg.__dict__.get("_gen_python_code"), types.MethodType):
+        cg._gen_python_code = types.MethodType(_gen_python_code, cg)
+
+
+def _gen_python_code(self: fx.graph.CodeGen, nodes: Any, *args: Any, **kwargs: Any) -> Any:
+    """FX's code generation with each call printed as :func:`printed_call` says; the nodes
+    are restored afterwards."""
+    # FX's plain printing (not print_readable's verbose, colored or profiled code): a
+    # fused kernel may print as its plain function, the body transformer unpacking it
+    plain_ok = not any(kwargs.get(k) for k in ("verbose", "colored", "record_func"))
+    changed = [(n, new) for n in nodes
+               if (new := printed_call(n, plain=plain_ok)) is not None]
+    saved = [(n, n.target, n._args, n._kwargs) for n, _ in changed]
+    # the calls printed as their plain function, for the body transformer (which runs
+    # inside FX's code generation, while the nodes are changed)
+    self.__dict__["_fxad_plain"] = {n for n, new in changed if new[0] is not n.target}
+    try:
+        for n, new in changed:
+            n.target, n._args, n._kwargs = new
+        return type(self)._gen_python_code(self, nodes, *args, **kwargs)
+    finally:
+        for n, target, a, k in saved:
+            n.target, n._args, n._kwargs = target, a, k
+        self.__dict__.pop("_fxad_plain", None)
+
+
+def printed_call(node: fx.Node, *, plain: bool = True) -> tuple[Any, tuple, dict] | None:
+    """``(target, args, kwargs)`` ``node`` prints with: the plain function for a fused
+    forward kernel whose extra outputs nothing reads (:func:`fxad.codegen.unpack.plain_call`)
+    and without the arguments equal to the op's defaults
+    (:func:`fxad.codegen.defaults.printed_arguments`); None when it prints as it is.
+    ``plain=False``: never as the plain function."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    target, args, kwargs = node.target, tuple(node.args), dict(node.kwargs)
+    try:
+        form = plain_call(node) if plain else None
+    except Exception:  # noqa: BLE001  (printing never fails: the node prints as it is)
+        form = None
+    if form is not None:
+        target, args, kwargs = form[0], tuple(form[1]), dict(form[2])
+    old = (node.target, node._args, node._kwargs)
+    try:
+        node.target, node._args, node._kwargs = target, args, kwargs
+        trimmed = printed_arguments(node)
+    except Exception:  # noqa: BLE001
+        trimmed = None
+    finally:
+        node.target, node._args, node._kwargs = old
+    if trimmed is not None:
+        args, kwargs = trimmed
+    elif form is None:
+        return None
+    return target, tuple(args), dict(kwargs)
 
 
 def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
@@ -186,7 +333,12 @@ def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
         graph: VJP graph.
         output_names: nodes returned as gradients → the name they should carry
             (``d_x``, ``d_l1_weight``); other nodes with ``meta['fxad_cot_of'] = v`` become
-            ``d_v``.  Placeholders keep their names; clashes get FX's numeric suffix.
+            ``d_v`` (unless computed by the forward: a forward value that is also a
+            cotangent keeps its name), an item of a multi-output result added to ``d_v``
+            ``d_v_part``, and the
+            other items of multi-output ops get the names of
+            :func:`fxad.codegen.names.name_outputs`.  Placeholders keep their names; clashes
+            get FX's numeric suffix.
     """
     taken: set[fx.Node] = set()
     for node, name in output_names.items():
@@ -198,11 +350,22 @@ def name_cotangents(graph: fx.Graph, output_names: dict[fx.Node, str]) -> None:
     for node in graph.nodes:
         if node in taken or node.op != "call_function" and node.op != "call_method":
             continue
+        if "fxad_bwd_of" not in node.meta or "fxad_fwd_of" in node.meta:
+            continue  # a forward value that is also a cotangent keeps its name
         of = node.meta.get("fxad_cot_of")
         if of:
             of = resolve(graph, of)
         if of and not node.name.startswith("d_"):
             node._rename(f"d_{of}")
+    # a part of a cotangent: an item of a backward kernel's result added to the rest
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem \
+                and AUTO_NAME.fullmatch(node.name) and len(node.users) == 1:
+            (user,) = node.users
+            if user.op == "call_function" and user.target is operator.add \
+                    and user.meta.get("fxad_cot_of") and user.name.startswith("d_"):
+                node._rename(f"{user.name}_part")
+    name_outputs(graph)
 
 
 def shape_note(node: fx.Node) -> str:

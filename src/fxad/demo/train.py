@@ -9,11 +9,15 @@ point is :func:`run_demo`; the pieces (:func:`train_fxad`, :func:`train_autograd
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import copy
 import math
+import re
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence, TextIO
@@ -236,12 +240,16 @@ def _module_nodes(g: fx.GraphModule, prefix: str) -> set[str]:
 
 def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0", *,
                         shapes: bool = True) -> str:
-    """The backward statements of submodule ``prefix`` in the generated code of ``g``.
+    """The backward statements of submodule ``prefix`` in the generated code of ``g``, as a
+    whole: every name the excerpt reads is defined in it or listed in its first lines as an
+    input (the values saved from the forward, and the cotangent flowing in from the layers
+    after the block).
 
     The generated code groups backward statements under ``# backward of: <forward statement>``
-    headers; a group is kept when its forward statement's node was recorded inside
-    ``prefix`` (``node.meta['nn_module_stack']``), or, failing that, when the statement
-    mentions one of the submodule's parameters (``blocks_0_...``).
+    headers; a group is kept when one of the values its forward statement assigns
+    (``layer_norm, mean, rstd = ...``) was recorded inside ``prefix``
+    (``node.meta['nn_module_stack']``), or, failing that, when the statement mentions one of
+    the submodule's parameters (``blocks_0_...``).
 
     Args:
         g: graph from :func:`fxad.grad` / :func:`fxad.vjp` of a module.
@@ -250,7 +258,7 @@ def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0", *,
             releases) instead of the raw ``g.code``.
 
     Returns:
-        The selected lines, dedented; '' if nothing matches.
+        The selected lines, dedented, after the ``# inputs`` comment; '' if nothing matches.
     """
     inside = _module_nodes(g, prefix)
     param_tag = prefix.replace(".", "_") + "_"
@@ -261,8 +269,8 @@ def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0", *,
         s = line.strip()
         if s.startswith("# backward of:"):
             stmt = s[len("# backward of:"):].strip()
-            target = stmt.split("=", 1)[0].strip() if "=" in stmt else ""
-            if target in inside or (not inside and param_tag in stmt):
+            targets = re.findall(r"\w+", stmt.split(" = ", 1)[0]) if " = " in stmt else []
+            if any(t in inside for t in targets) or (not inside and param_tag in stmt):
                 current = [line]
                 keep.append("")
                 keep.extend(current)
@@ -272,7 +280,45 @@ def block_backward_code(g: fx.GraphModule, prefix: str = "blocks.0", *,
             current = None
         elif current is not None:
             keep.append(line)
-    return "\n".join(_dedent(keep)).strip("\n")
+    body = "\n".join(_dedent(keep)).strip("\n")
+    if not body:
+        return ""
+    return "\n".join(_inputs_comment(body) + ["", body])
+
+
+def excerpt_inputs(code: str) -> list[str]:
+    """The names a piece of generated code reads before (or without) assigning them, in the
+    order it first reads them (``torch`` and Python's builtins aside)."""
+    assigned: set[str] = set()
+    read: dict[str, None] = {}
+    for stmt in ast.parse(code).body:
+        if isinstance(stmt, ast.Assign):
+            value_names = [n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)]
+            for name in value_names:
+                if name not in assigned and name != "torch" and not hasattr(builtins, name):
+                    read.setdefault(name)
+            for t in stmt.targets:
+                assigned.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        else:
+            for n in ast.walk(stmt):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) \
+                        and n.id not in assigned and n.id != "torch" \
+                        and not hasattr(builtins, n.id):
+                    read.setdefault(n.id)
+    return list(read)
+
+
+def _inputs_comment(body: str) -> list[str]:
+    names = excerpt_inputs(body)
+    cots = [n for n in names if n.startswith("d_")]
+    saved = [n for n in names if not n.startswith("d_")]
+    lines = []
+    if cots:
+        lines.append(f"# cotangent flowing in: {', '.join(cots)}")
+    if saved:
+        lines += textwrap.wrap(", ".join(saved), 96, initial_indent="# read from the forward: ",
+                               subsequent_indent="#   ")
+    return lines
 
 
 def _dedent(lines: list[str]) -> list[str]:

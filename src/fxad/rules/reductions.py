@@ -208,6 +208,8 @@ class VarMean:
     + d_mean / n (derivatives.yaml `var_mean.correction`: var_mean_backward).  Used by the
     normalization rules, so second derivatives through layer/batch norm need it."""
 
+    outputs = ("var", "mean")
+
     def fwd(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
         dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)
         out = torch.var_mean(input, dim_, correction=corr, keepdim=keep)
@@ -599,6 +601,8 @@ class NanMean:
 class StdMean:
     """std_mean(x, dim, correction) -> (std, mean): d_x = d_std (x - mean) / ((n - c) std)
     + d_mean / n (derivatives.yaml `std_mean.correction`: std_mean_backward)."""
+
+    outputs = ("std", "mean")
 
     def fwd(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
         dim_, keep, corr = _var_args(dim, unbiased, keepdim, correction)

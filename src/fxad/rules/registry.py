@@ -216,6 +216,11 @@ class OpRecord:
         rules: the overloads in selection order, then the default rule (if any).
         draws: for a ``"random"`` op drawing only in some calls,
             ``(args, kwargs) -> bool`` on the call's arguments; None: every call draws.
+        outputs: names of the items of a tuple-valued result, for generated code
+            (``("out", "mean", "rstd")``: ``out, mean, rstd = torch.native_layer_norm(...)``;
+            an item that is itself a tuple has a tuple of names); None: the names of the
+            ATen schema's returns, where it names them (``values, indices``).  A rule class
+            declares it as ``outputs = (...)``.
     """
 
     op: Any
@@ -223,6 +228,7 @@ class OpRecord:
     complex: str = "unverified"
     rules: tuple[Rule, ...] = ()
     draws: Callable[[tuple, dict], bool] | None = None
+    outputs: tuple[Any, ...] | None = None
     default: Rule | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -332,10 +338,13 @@ def _store(rec: OpRecord) -> OpRecord:
 
 
 def declare(op: Any, *, kind: str | None = None, complex: str | None = None,
-            draws: Callable[[tuple, dict], bool] | None = None) -> OpRecord:
+            draws: Callable[[tuple, dict], bool] | None = None,
+            outputs: tuple[Any, ...] | None = None) -> OpRecord:
     """Set facts of ``op``'s record (created if needed); returns the record."""
     rec = record(op) or OpRecord(op)
     changes: dict[str, Any] = {}
+    if outputs is not None:
+        changes["outputs"] = tuple(outputs)
     if kind is not None:
         changes["kind"] = kind
     if complex is not None:
@@ -442,7 +451,7 @@ def _install(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
              replace: bool = False, residuals: str | None = None,
              recompute: bool | None = None, applies: Callable | None = None,
              fused: bool | str | None = None, kind: str | None = None,
-             name: str = "") -> Rule:
+             name: str = "", outputs: tuple[Any, ...] | None = None) -> Rule:
     """Put a rule into ``op``'s record (the one place that does).  ``builtin=None``: decided
     from the registering module.  Raises :class:`RuleError` on a duplicate (unless
     ``replace``) or a malformed declaration."""
@@ -483,6 +492,8 @@ def _install(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
     changes: dict[str, Any] = {"rules": rules}
     if kind is not None:
         changes["kind"] = kind
+    if outputs is not None:
+        changes["outputs"] = tuple(outputs)
     _store(dataclasses.replace(rec, **changes))
     return rule
 
@@ -503,7 +514,8 @@ def _registering_module() -> str:
     return ""
 
 
-_CLASS_FIELDS = ("jvp", "samples", "residuals", "recompute", "applies", "fused", "kind")
+_CLASS_FIELDS = ("jvp", "samples", "residuals", "recompute", "applies", "fused", "kind",
+                 "outputs")
 
 
 def register_vjp(op: Any, fwd: Callable | None = None, bwd: Callable | None = None, *,

@@ -227,6 +227,8 @@ class NativeDropout:
     d_x = d * mask * scale, t_y = t * mask * scale with scale = 1 / (1 - p), 0 for p == 1
     (derivatives.yaml `native_dropout`: native_dropout_backward).  train=False: identity."""
 
+    outputs = ("out", "mask")
+
     residuals = "output"
     recompute = False
 

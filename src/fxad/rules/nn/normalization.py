@@ -503,6 +503,8 @@ class NativeLayerNorm:
     the leading dims) (derivatives.yaml `native_layer_norm`: layer_norm_backward).  mean and
     rstd are non-differentiable outputs in autograd: their cotangents are ignored."""
 
+    outputs = ("out", "mean", "rstd")
+
     def fwd(input, normalized_shape, weight, bias, eps):
         res = torch.native_layer_norm(input, normalized_shape, weight, bias, eps)
         return res, (input, weight, bias is not None, _ln_dims(input, normalized_shape),
@@ -624,6 +626,8 @@ class NativeBatchNorm:
     outputs.  The forward calls the op itself, so running statistics are updated in place as
     in eager PyTorch."""
 
+    outputs = ("out", "save_mean", "save_invstd")
+
     def fwd(input, weight, bias, running_mean, running_var, training, momentum, eps):
         res = torch.native_batch_norm(input, weight, bias, running_mean, running_var, training,
                                       momentum, eps)
@@ -672,6 +676,8 @@ class NativeBatchNormLegit:
     save_invstd): the same formulas as :class:`NativeBatchNorm` (derivatives.yaml
     `_native_batch_norm_legit`: batchnorm_backward); the overload without running statistics
     always normalizes with the batch statistics."""
+
+    outputs = ("out", "save_mean", "save_invstd")
 
     def fwd(input, weight, bias, *args, **kwargs):
         res = torch._native_batch_norm_legit(input, weight, bias, *args, **kwargs)
@@ -769,6 +775,8 @@ class NativeGroupNorm:
     d_b = sum(d_y) over all dims but the channels (derivatives.yaml `native_group_norm`:
     native_group_norm_backward / infinitely_differentiable_native_group_norm_backward).
     JVP: t_mean = mean(t), t_rstd = -rstd^2 mean(xhat t)."""
+
+    outputs = ("out", "mean", "rstd")
 
     def fwd(input, weight, bias, N, C, HxW, group, eps):
         res = torch.native_group_norm(input, weight, bias, N, C, HxW, group, eps)

@@ -132,6 +132,8 @@ class MaxPool2dWithIndices:
     """``F.max_pool2d(..., return_indices=True)`` (same formula as ``F.max_pool2d``;
     derivatives.yaml `max_pool2d_with_indices`)."""
 
+    outputs = ("out", "indices")
+
     def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
             return_indices=False):
         return _max_pool2d_fwd(input, kernel_size, stride, padding, dilation, ceil_mode, True)
@@ -419,6 +421,8 @@ class MaxPool1d:
 class MaxPool1dWithIndices:
     """``F.max_pool1d(..., return_indices=True)``: same formula as ``F.max_pool1d``."""
 
+    outputs = ("out", "indices")
+
     def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
             return_indices=False):
         return _max_pool_fwd(F.max_pool1d_with_indices, input, kernel_size, stride, padding,
@@ -455,6 +459,8 @@ class MaxPool3d:
 @register_vjp(F.max_pool3d_with_indices)
 class MaxPool3dWithIndices:
     """``F.max_pool3d(..., return_indices=True)``: same formula as ``F.max_pool3d``."""
+
+    outputs = ("out", "indices")
 
     def fwd(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
             return_indices=False):
