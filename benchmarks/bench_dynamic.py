@@ -23,44 +23,15 @@ import statistics
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import fxad
+from fxad.demo.models import TinyGPT
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, blocks: int, d: int = 64, heads: int = 4, vocab: int = 256,
-                 positions: int = 128) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(positions, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1))
+def GPT(blocks: int, d: int = 64) -> torch.nn.Module:
+    """fxad's demo GPT (token and position embeddings, SDPA blocks, cross-entropy of
+    ``(idx, targets)``), 4 heads, vocabulary 256, 128 positions."""
+    return TinyGPT(256, block_size=128, n_layer=blocks, n_head=4, n_embd=d)
 
 
 def _ids(B: int, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,48 +7,12 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.export import Dim
 
 import fxad
+from fxad.demo.models import TinyGPT
 
 D = torch.float64
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, SDPA blocks, cross-entropy of (idx, tgt)."""
-
-    def __init__(self, vocab: int = 40, d: int = 16, heads: int = 2, blocks: int = 2,
-                 positions: int = 12) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(positions, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(blocks))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx, tgt):
-        B, T = idx.shape
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1))
 
 
 def _autograd(m, *args):
@@ -58,9 +22,11 @@ def _autograd(m, *args):
     return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
 
 
-def _gpt():
+def _gpt(positions: int = 12):
+    """fxad's demo GPT: token and position embeddings, SDPA blocks, cross-entropy of
+    ``(idx, targets)``."""
     torch.manual_seed(0)
-    return GPT().to(D)
+    return TinyGPT(40, block_size=positions, n_layer=2, n_head=2, n_embd=16).to(D)
 
 
 def test_gpt_one_build_serves_every_batch_and_length():
@@ -79,10 +45,10 @@ def test_gpt_one_build_serves_every_batch_and_length():
             for n, w in want.items():
                 torch.testing.assert_close(grads[n], w, rtol=1e-9, atol=1e-9, msg=n)
     # past the position table: refused, naming the embedding line
-    with pytest.raises(fxad.InputError, match=r"idx_size_1 <= 12.*self\.pos\(torch\.arange"):
+    with pytest.raises(fxad.InputError, match=r"idx_size_1 <= 12.*self\.wpe\(pos\)"):
         g(torch.randint(0, 40, (2, 13)), torch.randint(0, 40, (2, 13)))
     # the program ties the token counts of idx and tgt together
-    with pytest.raises(fxad.InputError, match=r"tgt_size_0.*cross_entropy"):
+    with pytest.raises(fxad.InputError, match=r"targets_size_0.*cross_entropy"):
         g(torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (3, 7)))
 
 
@@ -91,18 +57,18 @@ def test_dynamic_shapes_in_torch_export_format_names_and_ties_sizes():
     idx, tgt = torch.randint(0, 40, (2, 6)), torch.randint(0, 40, (2, 6))
     B, T = Dim("B"), Dim("T", max=10)
     g = fxad.grad(m, idx, tgt, argnums=(),
-                  dynamic_shapes={"idx": {0: B, 1: T}, "tgt": {0: B, 1: T}})
+                  dynamic_shapes={"idx": {0: B, 1: T}, "targets": {0: B, 1: T}})
     assert "B = idx.size(0)" in g.code and "T = idx.size(1)" in g.code
-    assert "tgt.size(" not in g.code
+    assert "targets.size(" not in g.code
     for b, t in [(1, 1), (4, 10), (5, 3)]:
         i, y = torch.randint(0, 40, (b, t)), torch.randint(0, 40, (b, t))
         value, _, grads = g(i, y)
         want_value, want = _autograd(m, i, y)
         torch.testing.assert_close(value, want_value)
-        torch.testing.assert_close(grads["pos.weight"], want["pos.weight"])
+        torch.testing.assert_close(grads["wpe.weight"], want["wpe.weight"])
     with pytest.raises(fxad.InputError, match=r"T <= 10 \(declared in dynamic_shapes"):
         g(torch.randint(0, 40, (2, 11)), torch.randint(0, 40, (2, 11)))
-    with pytest.raises(fxad.InputError, match=r"`tgt`.size\(0\) is 3.*`idx`.size\(0\) is 2"):
+    with pytest.raises(fxad.InputError, match=r"`targets`.size\(0\) is 3.*`idx`.size\(0\) is 2"):
         g(torch.randint(0, 40, (2, 4)), torch.randint(0, 40, (3, 4)))
 
 
@@ -193,9 +159,7 @@ def test_bad_specs_are_refused():
 
 
 def test_compile_is_dynamic_automatically_and_records_its_builds():
-    torch.manual_seed(0)
-    m, ref = GPT(positions=32), GPT(positions=32)
-    ref.load_state_dict(m.state_dict())
+    m, ref = _gpt(32).float(), _gpt(32).float()
     cm = fxad.compile(m)
     for T in range(5, 31):  # 26 sequence lengths
         idx, tgt = torch.randint(0, 40, (4, T)), torch.randint(0, 40, (4, T))
@@ -208,7 +172,7 @@ def test_compile_is_dynamic_automatically_and_records_its_builds():
     assert [b.reason for b in cm.builds] == [
         "first call", "sizes changed: dimension 1 of input 0, dimension 1 of input 1 made "
                       "symbolic"]
-    assert cm.builds[1].symbols == {"idx_size_1": ["idx.size(1)", "tgt.size(1)"]}
+    assert cm.builds[1].symbols == {"idx_size_1": ["idx.size(1)", "targets.size(1)"]}
     idx = torch.randint(0, 40, (2, 9))  # a new batch size: one more build, B symbolic too
     cm(idx, idx).backward()
     assert len(cm.builds) == 3 and "idx_size_0" in cm.builds[2].symbols
