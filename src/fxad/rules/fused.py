@@ -18,6 +18,8 @@ Three levels:
   ``_log_softmax_backward_data``.  Code
   built for execution rather than reading (the training bridge of :func:`fxad.compile` and
   :func:`fxad.joint_step`) is captured at this level unless the caller chose ``False``.
+  At this level a formula written out in the program that one PyTorch kernel computes is
+  also replaced by that kernel before differentiation (:func:`fuse_formulas`).
 
 >>> import fxad
 >>> with fxad.fused_kernels(False):
@@ -26,7 +28,15 @@ Three levels:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import math
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..graph.proxy import compute_meta
 
 _LEVELS = {False: 0, True: 1, "all": 2}
 _STATE = {"level": 1}
@@ -67,3 +77,108 @@ def for_execution() -> Iterator[None]:
     where the generated code is built to run fast rather than to be read."""
     with fused_kernels("all" if enabled() else False):
         yield
+
+
+# --- written-out formulas one kernel computes (level "all") ------------------------------------
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _close(c: Any, want: float) -> bool:
+    return isinstance(c, (int, float)) and not isinstance(c, bool) \
+        and abs(c - want) <= 1e-6 * abs(want)
+
+
+def _by_const(node: Any, op: Any, want: float) -> fx.Node | None:
+    """``a`` where ``node`` is ``op(a, c)`` or ``op(c, a)`` (``op`` commutative) with the
+    constant ``c`` equal to ``want`` (to 1e-6 relative); else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is op
+            and len(node.args) == 2 and not node.kwargs):
+        return None
+    a, b = node.args
+    if isinstance(a, fx.Node) and _close(b, want):
+        return a
+    if isinstance(b, fx.Node) and _close(a, want) and op is not operator.pow:
+        return b
+    return None
+
+
+def _other(node: fx.Node, op: Any, one: fx.Node) -> fx.Node | None:
+    """``b`` where ``node`` is ``op(one, b)`` or ``op(b, one)``."""
+    if not (node.op == "call_function" and node.target is op and len(node.args) == 2
+            and not node.kwargs):
+        return None
+    a, b = node.args
+    if a is one and isinstance(b, fx.Node):
+        return b
+    if b is one and isinstance(a, fx.Node):
+        return a
+    return None
+
+
+def _gelu_tanh(t: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """For ``t = torch.tanh(u)``: ``(x, out, nodes)`` where ``out`` is
+    ``(0.5 * x) * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x ** 3)))`` (operands of each
+    commutative op in either order) and ``nodes`` the formula's nodes; else None."""
+    inner = _by_const(t.args[0] if t.args else None, operator.mul, _SQRT_2_OVER_PI)
+    if inner is None or inner.op != "call_function" or inner.target is not operator.add:
+        return None
+    for x, cube_term in (inner.args, inner.args[::-1]):
+        cube = _by_const(cube_term, operator.mul, 0.044715)
+        if isinstance(x, fx.Node) and cube is not None \
+                and _by_const(cube, operator.pow, 3.0) is x:
+            break
+    else:
+        return None
+    val = x.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        return None
+    for one_plus in t.users:
+        if _by_const(one_plus, operator.add, 1.0) is not t:
+            continue
+        for out in one_plus.users:
+            half = _other(out, operator.mul, one_plus)
+            if half is not None and _by_const(half, operator.mul, 0.5) is x:
+                return x, out, [out, one_plus, t, t.args[0], inner, cube_term, cube, half]
+    return None
+
+
+def fuse_formulas(gm: fx.GraphModule) -> int:
+    """Replace, in a captured graph, formulas written out op by op that one PyTorch kernel
+    computes, by that kernel (code built to run: fused level ``"all"``); returns the number
+    of rewrites.  The values agree to rounding (the kernel evaluates the same expression
+    in one pass); the derivative is then the kernel's rule.
+
+    * The tanh approximation of GELU as transformers' ``NewGELUActivation`` writes it
+      (GPT-2's ``gelu_new``), ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))``,
+      becomes ``F.gelu(x, approximate="tanh")``: one pass forward instead of eight and
+      ``gelu_backward`` instead of about ten passes (on GPT-2's MLP activations,
+      4 x 128 x 1024 float32, 4.4 ms instead of 10.7 ms forward + backward on one thread).
+      Intermediate values the program reads elsewhere stay computed.
+    """
+    g = gm.graph
+    done = 0
+    for t in list(g.nodes):
+        if t.op != "call_function" or t.target is not torch.tanh or getattr(t, "_erased", 0):
+            continue
+        found = _gelu_tanh(t)
+        if found is None:
+            continue
+        x, out, nodes = found
+        try:
+            val = compute_meta(gm, "call_function", F.gelu, (x,), {"approximate": "tanh"})
+        except Exception:  # noqa: BLE001 - leave the formula as written
+            continue
+        with g.inserting_before(out):
+            new = g.create_node("call_function", F.gelu, (x,), {"approximate": "tanh"})
+        new.meta = dict(out.meta)
+        new.meta["val"] = val
+        out.replace_all_uses_with(new)
+        for n in nodes:  # the formula's nodes nothing else reads, outputs first
+            if not n.users and not getattr(n, "_erased", False):
+                g.erase_node(n)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done

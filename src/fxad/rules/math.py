@@ -34,6 +34,58 @@ unary(torch.tanh, save="output", derivative=lambda y: 1 - y * y,
       source="d/dx tanh(x) = 1 - tanh(x)^2 (derivatives.yaml `tanh`: tanh_backward)")
 unary(torch.sigmoid, save="output", derivative=lambda y: y * (1 - y),
       source="d/dx s(x) = s(x)(1 - s(x)) (derivatives.yaml `sigmoid`: sigmoid_backward)")
+
+
+@register_vjp(torch.tanh)
+class TanhFused:
+    """Real tanh at fused level ``"all"`` (code built to run: :func:`fxad.compile`,
+    :func:`fxad.joint_step`): the backward is autograd's one kernel
+    ``torch.ops.aten.tanh_backward(d, y)`` = d * (1 - y^2) (derivatives.yaml `tanh`), one
+    pass instead of three (``y * y``, ``1 - .``, ``d * .``); the default level writes the
+    formula."""
+
+    residuals = "output"
+    recompute = True
+    fused = "all"
+
+    def applies(input):
+        return not input.is_complex()
+
+    def fwd(input):
+        out = torch.tanh(input)
+        return out, out
+
+    def bwd(out, d):
+        return (torch.ops.aten.tanh_backward(d, out),)
+
+    def samples(dtype):
+        yield (_t((3, 4), dtype),), {}
+
+
+@register_vjp(torch.sigmoid)
+class SigmoidFused:
+    """Real sigmoid at fused level ``"all"``: the backward is autograd's one kernel
+    ``torch.ops.aten.sigmoid_backward(d, y)`` = d * y * (1 - y) (derivatives.yaml
+    `sigmoid`) instead of three passes; the default level writes the formula."""
+
+    residuals = "output"
+    recompute = True
+    fused = "all"
+
+    def applies(input):
+        return not input.is_complex()
+
+    def fwd(input):
+        out = torch.sigmoid(input)
+        return out, out
+
+    def bwd(out, d):
+        return (torch.ops.aten.sigmoid_backward(d, out),)
+
+    def samples(dtype):
+        yield (_t((3, 4), dtype),), {}
+
+
 unary(torch.sqrt, save="output", derivative=lambda y: 0.5 / y, domain=(0.5, 3.0),
       source="d/dx sqrt(x) = 1/(2 sqrt(x)) (derivatives.yaml `sqrt`: grad / (2 * result))")
 unary(torch.rsqrt, save="output", derivative=lambda y: -0.5 * y ** 3, domain=(0.5, 3.0),

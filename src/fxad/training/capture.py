@@ -16,6 +16,7 @@ from ..api import vjp as _vjp
 from ..naming import op_kind
 from ..rules import fused
 from ..simplify.layout import channels_last_convolutions
+from .passes import stack_selected_cotangents
 
 __all__ = ["autocast_state", "materialize_autocast", "AUTOCAST_LOWER_OPS"]
 
@@ -168,6 +169,7 @@ def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[t
     with _AutocastOff(_autocast_devices()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules,
                  dynamic_shapes=dynamic_shapes)
+    stack_selected_cotangents(g)
     if channels_last:
         channels_last_convolutions(g, casts_only=channels_last == "casts")
     return g

@@ -4,7 +4,8 @@
 The forward calls the op itself for the value; the backward recomputes the attention
 weights in plain tensor code (the formulas are in the rule's docstring), or calls PyTorch's
 fused CPU flash-attention backward where :mod:`fxad.rules.fused` allows it
-(``docs/fused_kernels.md``).  Configurations the rule cannot differentiate exactly
+(``docs/fused_kernels.md``): without a mask at the default level, with a mask at level
+``"all"`` (code built to run).  Configurations the rule cannot differentiate exactly
 raise :class:`~fxad.errors.RuleError` naming what to change.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .._base import randn, _add
-from ..registry import register_vjp
+from ..registry import needs_cotangent, register_vjp
 from ._common import _bound
 
 
@@ -76,12 +77,46 @@ def _sdpa_scores_vjp(q: Any, k: Any, mask: Any, p: Any, d_v: Any, dp: Any, scale
 
 
 def _cpu_flash_ok(q: Any, k: Any, v: Any, mask: Any, enable_gqa: bool) -> bool:
-    """The CPU flash-attention kernels apply: 4-D CPU float inputs of equal heads, no mask."""
-    return (mask is None and not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    """The CPU flash-attention kernels apply (the conditions of PyTorch's CPU dispatch,
+    ``sdp_utils_cpp``): 4-D CPU float inputs of one dtype, equal batch, heads and head size,
+    unit stride in the last dimension (the kernels read a strided last dimension wrongly
+    instead of refusing it), no mask."""
+    return mask is None and _cpu_flash_shapes_ok(q, k, v, enable_gqa)
+
+
+def _cpu_flash_shapes_ok(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    return (not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
             and all(t.device.type == "cpu" for t in (q, k, v))
             and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
-            and q.dtype == k.dtype == v.dtype and k.shape[-3] == q.shape[-3]
+            and q.dtype == k.dtype == v.dtype
+            and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] and min(q.shape[-2], k.shape[-2]) > 0
+            and all(t.stride(-1) == 1 for t in (q, k, v))
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+def _cpu_flash_mask_ok(q: Any, mask: Any) -> bool:
+    """A mask the CPU flash kernels take once converted (:func:`_flash_mask`): boolean, or
+    floating-point of the query's dtype, broadcastable to ``(B, H, L, S)`` (checked by the
+    capture), with a unit stride in its last dimension."""
+    return (mask is not None and 2 <= mask.dim() <= 4 and mask.device.type == "cpu"
+            and (mask.dtype == torch.bool or mask.dtype == q.dtype)
+            and (mask.shape[-1] == 1 or mask.stride(-1) == 1))
+
+
+def _flash_mask(mask: Any, dtype: torch.dtype) -> Any:
+    """``mask`` as the CPU flash kernels take it: additive, of the query's dtype (a boolean
+    mask becomes 0 where True and -inf where False, as eager PyTorch converts it; a floating
+    one detached), 2-D or 4-D (a 3-D mask gets a leading 1: the same broadcast)."""
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))
+        if dtype != torch.float32:
+            mask = mask.to(dtype)
+    else:  # the kernels refuse a mask that requires grad (a learned bias: see the rule)
+        mask = mask.detach()
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(0)
+    return mask
 
 
 @register_vjp(F.scaled_dot_product_attention)
@@ -235,3 +270,64 @@ class ScaledDotProductAttentionFused:
         return d_q, d_k, d_v, None
 
     jvp = ScaledDotProductAttention.jvp
+
+
+@register_vjp(F.scaled_dot_product_attention)
+class ScaledDotProductAttentionFusedMask:
+    """Without dropout, with an ``attn_mask`` (boolean, or additive of the query's dtype),
+    for 4-D CPU float inputs of equal heads: PyTorch's CPU flash attention with the mask, as
+    eager PyTorch runs it (a boolean mask converted to an additive one, 0 where True and
+    -inf where False), the logsumexp saved for its fused backward kernel, which takes the
+    same mask (derivatives.yaml ``_scaled_dot_product_flash_attention_for_cpu``).  A
+    floating mask whose cotangent is needed (a learned bias) gets the math backward
+    instead, as :class:`ScaledDotProductAttention` with P = exp(S - logsumexp) from the
+    kernel's logsumexp, d_mask = dS.
+
+    Fused level ``"all"``: code built to run (:func:`fxad.compile`, :func:`fxad.joint_step`)
+    calls the kernels, while :func:`fxad.vjp` at the default level keeps the formulas of
+    :class:`ScaledDotProductAttention` (``docs/fused_kernels.md``).  Rows where every key
+    is masked give 0 (the kernel's convention, eager's result) where the formulas give
+    NaN."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+    fused = "all"
+
+    def applies(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        return (not dropout_p > 0.0 and _cpu_flash_mask_ok(query, attn_mask)
+                and _cpu_flash_shapes_ok(query, key, value, enable_gqa))
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        mask = _flash_mask(attn_mask, query.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(is_causal), attn_mask=mask, scale=scale)
+        return out, (query, key, value, out, lse, attn_mask, mask, bool(is_causal), scale)
+
+    def bwd(aux, d):
+        q, k, v, out, lse, attn_mask, mask, is_causal, scale = aux
+        if attn_mask.dtype != torch.bool and needs_cotangent("attn_mask"):
+            # P = exp(S - logsumexp(S)) from the kernel's logsumexp (no second softmax)
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            s = (q @ k.mT) * scale
+            if is_causal:
+                above = q.new_ones((q.shape[-2], k.shape[-2]), dtype=torch.bool).triu(1)
+                s = s.masked_fill(above, float("-inf"))
+            p = torch.exp(s + attn_mask - lse.unsqueeze(-1))
+            return _sdpa_scores_vjp(q, k, attn_mask, p, p.mT @ d, d @ v.mT, scale, 1)
+        d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+        return d_q, d_k, d_v, None
+
+    jvp = ScaledDotProductAttention.jvp
+
+    def samples(dtype):
+        q, k, v = (randn(2, 3, 4, 5, dtype=dtype) for _ in range(3))
+        keep = torch.rand(2, 1, 4, 4) > 0.4
+        keep[..., 0] = True  # no row masked entirely (the formulas give NaN there)
+        yield (q, k, v, keep), {}
+        yield (q, k, v, keep[0, 0]), {"is_causal": True, "scale": 0.3}
+        yield (q, k, v, randn(2, 3, 4, 4, dtype=dtype)), {}
+        yield (q, randn(2, 3, 6, 5, dtype=dtype), randn(2, 3, 6, 5, dtype=dtype),
+               randn(3, 1, 6, dtype=dtype)), {}

@@ -55,6 +55,41 @@ class Linear:
         yield (randn(4, dtype=dtype), randn(5, 4, dtype=dtype), randn(5, dtype=dtype)), {}
 
 
+@register_vjp(F.linear)
+class LinearFlat:
+    """Real ``x`` of 3 or more dimensions at fused level ``"all"`` (code built to run:
+    :func:`fxad.compile`, :func:`fxad.joint_step`): the leading dimensions are flattened
+    once, as eager's ``linear`` does (``addmm`` on the folded input, whose 2-D copy, if
+    ``x`` is not contiguous, is what it saves): ``x2 = x.reshape(-1, in)``, y = linear(x2,
+    W, b) reshaped; d2 = d.reshape(-1, out); d_x = (d2 @ W).reshape(x.shape),
+    d_W = d2^T x2, d_b = d2.sum(0) (derivatives.yaml `addmm`).  The default rule reshapes
+    ``d`` twice (a copy each when it is not contiguous) and ``x`` again in the backward."""
+
+    residuals = "inputs"
+    recompute = False
+    fused = "all"
+
+    def applies(input, weight, bias=None):
+        return input.dim() > 2 and not input.is_complex() and not weight.is_complex()
+
+    def fwd(input, weight, bias=None):
+        x2 = torch.reshape(input, (-1, input.shape[-1]))
+        out = torch.reshape(F.linear(x2, weight, bias), (*input.shape[:-1], weight.shape[0]))
+        return out, (x2, weight, tuple(input.shape))
+
+    def bwd(aux, d):
+        x2, w, shape = aux
+        d2 = torch.reshape(d, (-1, d.shape[-1]))
+        d_x = torch.reshape(torch.mm(d2, w), shape)
+        return d_x, torch.mm(d2.t(), x2), d2.sum(0)
+
+    jvp = Linear.jvp
+
+    def samples(dtype):
+        yield (randn(2, 3, 4, dtype=dtype), randn(5, 4, dtype=dtype), randn(5, dtype=dtype)), {}
+        yield (randn(3, 2, 4, dtype=dtype).transpose(0, 1), randn(5, 4, dtype=dtype)), {}
+
+
 @register_vjp(F.bilinear)
 class Bilinear:
     """bilinear(a, b, W, bias) = a^T W_o b + bias_o: d_a = einsum(d, W, b), d_b = einsum(d, W,

@@ -715,7 +715,10 @@ class _OneDNNDirection:
         T = self.steps
         B, H = h0.shape[0], h0.shape[1]
         self.batch, self.h_size, self.c_size, self.like = B, H, c0.shape[1], h0
-        self.x = torch.reshape(x, (T, B, x.shape[1]))
+        # contiguous here, once, for the kernel and the backward kernel (which would each
+        # copy a strided input, e.g. a batch-first one transposed to time-major), as eager
+        # saves the contiguous input
+        self.x = torch.reshape(x, (T, B, x.shape[1])).contiguous()
         # without biases the kernel ignores these two slots (eager passes zeros there)
         b_ih = self.b_ih if self.has_biases else self.w_ih
         b_hh = self.b_hh if self.has_biases else self.w_hh
@@ -982,6 +985,8 @@ class LSTM:
     with proj_size); the backward is backpropagation through time, the weight gradients one
     matmul over all steps (ATen RNN.cpp ``LSTMCell`` / derivatives.yaml via its ops)."""
 
+    outputs = ("output", "h_n", "c_n")
+
     recompute = False
 
     def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -1007,6 +1012,8 @@ class GRU:
     ``h = (1 - z) * n + z * h``; backward through time, weight gradients one matmul over all
     steps (ATen RNN.cpp ``GRUCell``)."""
 
+    outputs = ("output", "h_n")
+
     recompute = False
 
     def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -1031,6 +1038,8 @@ class RNNTanh:
     ``tanh' = 1 - h^2``, weight gradients one matmul over all steps (ATen RNN.cpp
     ``SimpleCell``)."""
 
+    outputs = ("output", "h_n")
+
     recompute = False
 
     def fwd(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
@@ -1053,6 +1062,8 @@ class RNNRelu:
     """nn.RNN(nonlinearity='relu')'s ``torch.rnn_relu`` (padded and packed overloads): per
     step ``h = relu(x_proj[t] + h @ W_hh^T)``; backward through time with
     ``relu' = (h > 0)`` (ATen RNN.cpp ``SimpleCell``)."""
+
+    outputs = ("output", "h_n")
 
     recompute = False
 
@@ -1122,6 +1133,8 @@ def _cell_samples(kind: str, dtype: torch.dtype) -> Any:
 class LSTMCell:
     """nn.LSTMCell's ``torch.lstm_cell``: one step of :class:`LSTM`'s loop (gates i, f, g, o)
     and its backward (ATen RNN.cpp ``LSTMCell``)."""
+
+    outputs = ("h", "c")
 
     recompute = False
 
