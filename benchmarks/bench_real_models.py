@@ -254,7 +254,9 @@ class EncoderTagger(nn.Module):
         self.head = nn.Linear(d, classes)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        # boolean like the padding mask (True: not attended): with a float causal mask
+        # nn.TransformerEncoder warns, and the warning is a graph break under torch.compile
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
         h = self.encoder(x, mask=causal, src_key_padding_mask=pad, is_causal=True)
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
