@@ -36,54 +36,41 @@ unary(torch.sigmoid, save="output", derivative=lambda y: y * (1 - y),
       source="d/dx s(x) = s(x)(1 - s(x)) (derivatives.yaml `sigmoid`: sigmoid_backward)")
 
 
-@register_vjp(torch.tanh)
-class TanhFused:
-    """Real tanh at fused level ``"all"`` (code built to run: :func:`fxad.compile`,
-    :func:`fxad.joint_step`): the backward is autograd's one kernel
-    ``torch.ops.aten.tanh_backward(d, y)`` = d * (1 - y^2) (derivatives.yaml `tanh`), one
-    pass instead of three (``y * y``, ``1 - .``, ``d * .``); the default level writes the
-    formula."""
+def _output_kernel(op, kernel, doc: str) -> type:
+    """The fused-level-``"all"`` rule of a real unary ``op`` whose backward is autograd's one
+    kernel ``kernel(d, y)`` of the saved output (code built to run: :func:`fxad.compile`,
+    :func:`fxad.joint_step`); the default level writes the formula (``unary`` above)."""
 
-    residuals = "output"
-    recompute = True
-    fused = "all"
+    class OutputKernel:
+        source = doc
+        residuals = "output"
+        recompute = True
+        fused = "all"
 
-    def applies(input):
-        return not input.is_complex()
+        def applies(input):
+            return not input.is_complex()
 
-    def fwd(input):
-        out = torch.tanh(input)
-        return out, out
+        def fwd(input):
+            out = op(input)
+            return out, out
 
-    def bwd(out, d):
-        return (torch.ops.aten.tanh_backward(d, out),)
+        def bwd(out, d):
+            return (kernel(d, out),)
 
-    def samples(dtype):
-        yield (_t((3, 4), dtype),), {}
+        def samples(dtype):
+            yield (_t((3, 4), dtype),), {}
+
+    return OutputKernel
 
 
-@register_vjp(torch.sigmoid)
-class SigmoidFused:
-    """Real sigmoid at fused level ``"all"``: the backward is autograd's one kernel
-    ``torch.ops.aten.sigmoid_backward(d, y)`` = d * y * (1 - y) (derivatives.yaml
-    `sigmoid`) instead of three passes; the default level writes the formula."""
-
-    residuals = "output"
-    recompute = True
-    fused = "all"
-
-    def applies(input):
-        return not input.is_complex()
-
-    def fwd(input):
-        out = torch.sigmoid(input)
-        return out, out
-
-    def bwd(out, d):
-        return (torch.ops.aten.sigmoid_backward(d, out),)
-
-    def samples(dtype):
-        yield (_t((3, 4), dtype),), {}
+TanhFused = register_vjp(torch.tanh)(_output_kernel(
+    torch.tanh, torch.ops.aten.tanh_backward,
+    "tanh at fused level 'all': torch.ops.aten.tanh_backward(d, y) = d * (1 - y^2) "
+    "(derivatives.yaml `tanh`), one pass instead of three"))
+SigmoidFused = register_vjp(torch.sigmoid)(_output_kernel(
+    torch.sigmoid, torch.ops.aten.sigmoid_backward,
+    "sigmoid at fused level 'all': torch.ops.aten.sigmoid_backward(d, y) = d * y * (1 - y) "
+    "(derivatives.yaml `sigmoid`), one pass instead of three"))
 
 
 unary(torch.sqrt, save="output", derivative=lambda y: 0.5 / y, domain=(0.5, 3.0),
