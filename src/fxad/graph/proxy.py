@@ -283,6 +283,29 @@ def compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
         _STATE.in_meta -= 1
 
 
+
+def substitute(gm: fx.GraphModule, old: fx.Node, target: Any, args: tuple, kwargs: dict,
+               dead: list[fx.Node]) -> bool:
+    """Replace ``old`` by a new call ``target(*args, **kwargs)`` inserted before it (its
+    metadata from ``old``, its value from the fake computation), then erase the nodes of
+    ``dead`` that nothing reads any more, in order (outputs first).  Returns False, leaving
+    the graph as it was, where the fake computation fails."""
+    try:
+        v = compute_meta(gm, "call_function", target, args, kwargs)
+    except Exception:  # noqa: BLE001 - leave the code as written
+        return False
+    g = old.graph
+    with g.inserting_before(old):
+        new = g.create_node("call_function", target, args, kwargs)
+    new.meta = dict(old.meta)
+    new.meta["val"] = v
+    old.replace_all_uses_with(new)
+    for n in dead:
+        if not n.users and not getattr(n, "_erased", False):
+            g.erase_node(n)
+    return True
+
+
 def in_meta_computation() -> bool:
     """True while fxad runs an op on fake values (patched factories must not record then)."""
     return getattr(_STATE, "in_meta", 0) > 0

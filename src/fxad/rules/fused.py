@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..graph.proxy import compute_meta
+from ..graph.proxy import substitute
 
 _LEVELS = {False: 0, True: 1, "all": 2}
 _STATE = {"level": 1}
@@ -165,19 +165,9 @@ def fuse_formulas(gm: fx.GraphModule) -> int:
         if found is None:
             continue
         x, out, nodes = found
-        try:
-            val = compute_meta(gm, "call_function", F.gelu, (x,), {"approximate": "tanh"})
-        except Exception:  # noqa: BLE001 - leave the formula as written
-            continue
-        with g.inserting_before(out):
-            new = g.create_node("call_function", F.gelu, (x,), {"approximate": "tanh"})
-        new.meta = dict(out.meta)
-        new.meta["val"] = val
-        out.replace_all_uses_with(new)
-        for n in nodes:  # the formula's nodes nothing else reads, outputs first
-            if not n.users and not getattr(n, "_erased", False):
-                g.erase_node(n)
-        done += 1
+        # the formula's nodes nothing else reads, outputs first
+        if substitute(gm, out, F.gelu, (x,), {"approximate": "tanh"}, nodes):
+            done += 1
     if done:
         g.lint()
         gm.recompile()

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..graph.proxy import compute_meta
+from ..graph.proxy import substitute
 
 __all__ = ["stack_selected_cotangents"]
 
@@ -91,19 +91,8 @@ def stack_selected_cotangents(gm: fx.GraphModule) -> int:
                 or _val(root).dtype != _val(z).dtype:
             continue
         items = [rows[i] for i in range(len(rows))]
-        try:
-            v = compute_meta(gm, "call_function", torch.stack, (items,), {})
-        except Exception:  # noqa: BLE001 - leave the sum as written
-            continue
-        with g.inserting_before(root):
-            new = g.create_node("call_function", torch.stack, (items,), {})
-        new.meta = dict(root.meta)
-        new.meta["val"] = v
-        root.replace_all_uses_with(new)
-        for n in [*inner, *leaves, z]:
-            if not n.users and not getattr(n, "_erased", False):
-                g.erase_node(n)
-        done += 1
+        if substitute(gm, root, torch.stack, (items,), {}, [*inner, *leaves, z]):
+            done += 1
     if done:
         g.lint()
         gm.recompile()
