@@ -158,7 +158,7 @@ class ShapePlan:
         spec: InputSpec = gm.meta["fxad_input_spec"]
         self._all_names = list(spec.names)  # the inputs, then a cotangent (fxad.vjp)
         self._check_declared()
-        names = self._readable()
+        names = dict(self.symbol_names)  # symbol -> display name
         leaf_exprs = spec.sym_dims  # (argument, leaf, dim) -> sympy expression
         bound: dict[Any, tuple[int, int, int]] = {}
         symbols: dict[str, list[tuple[int, int, int]]] = {}
@@ -244,11 +244,6 @@ class ShapePlan:
             if isinstance(loc, SourceLoc) else f" ({loc})" if isinstance(loc, str) else \
             " (required by the derivative code)"
         out.append((fn, dims, text + where))
-
-    def _readable(self) -> dict[Any, str]:
-        """symbol -> display name, for every symbol of the inputs (canonical ones keep the
-        name of the first dimension that carries them)."""
-        return dict(self.symbol_names)
 
     def _check_declared(self) -> None:
         for key, ds in self.specs.items():
