@@ -58,6 +58,7 @@ from .capture.state import capturing, symbolic_shapes
 from .errors import CaptureError, InputError, SourceLoc
 from .graph.proxy import user_source_loc
 from .graph.sizes import expr_of, is_symbolic, python_source, size_names, unbacked_sizes
+from .graph.symcache import memoized
 from .guards import InputSpec
 
 __all__ = ["ShapePlan", "plan_shapes", "wants_symbolic", "symbolic_build"]
@@ -139,7 +140,7 @@ class ShapePlan:
         """The build runs in here: the fake mode with the ShapeEnv, size-oblivious decisions
         inside PyTorch's operators, size names for the generated code."""
         with _shape_config.patch(backed_size_oblivious=self.oblivious), \
-                symbolic_shapes(self.mode), \
+                memoized(self.env), symbolic_shapes(self.mode), \
                 size_names(self.symbol_names), warnings.catch_warnings():
             # sizes sit in node arguments until fxad.graph.sizes.bind_sizes writes them as
             # code, which torch.fx (rightly, in general) warns about
@@ -405,7 +406,7 @@ def plan_shapes(names: list[str], examples: tuple, *, dynamic: Any = None,
     plan = ShapePlan(list(names), tuple(examples), env, mode, specs=specs, oblivious=oblivious)
     by_name: dict[str, tuple[tuple[int, int, int], Any]] = {}
     fakes = []
-    with _shape_config.patch(backed_size_oblivious=oblivious):
+    with _shape_config.patch(backed_size_oblivious=oblivious), memoized(env):
         for i, x in enumerate(examples):
             def fake(j: int, t: torch.Tensor) -> torch.Tensor:
                 dims = [specs.get((i, j, d)) for d in range(t.dim())]

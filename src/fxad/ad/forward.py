@@ -42,6 +42,7 @@ Meta keys written on the JVP graph:
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -237,7 +238,11 @@ class ForwardTransform:
             self.env[node] = self._copy(node)
             return
         last = self.graph._root.prev  # nodes created from here on belong to this rule
-        with self.em.meta_defaults(**self._meta(node)):
+        # the rule writes the node's own call again: it takes the value capture computed
+        known = self.em.known_value(node.op, node.target, args, kwargs, node.meta["val"]) \
+            if node.op in ("call_function", "call_method") and "val" in node.meta \
+            else contextlib.nullcontext()
+        with self.em.meta_defaults(**self._meta(node)), known:
             with rule_errors(self.gm, node, "forward-mode (JVP)"):
                 if rule.jvp is not None:
                     result = rule.jvp(primals, tangents)

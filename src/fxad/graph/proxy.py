@@ -465,6 +465,7 @@ class Emitter(fx.proxy.TracerBase):
         self.node_name_to_scope: dict = {}
         self.check_mutable_operations = False
         self.trace_asserts = False
+        self._known: tuple | None = None
 
     def proxy(self, node: fx.Node) -> TensorProxy:
         return TensorProxy(node, self)
@@ -479,7 +480,11 @@ class Emitter(fx.proxy.TracerBase):
         args_ = self.create_arg(args)
         kwargs_ = self.create_arg(kwargs)
         val = None
-        if kind not in ("placeholder", "output"):
+        known = self._known
+        if known is not None and kind == known[0] and target is known[1] \
+                and _same_args(args_, known[2]) and _same_args(kwargs_, known[3]):
+            val = known[4]
+        elif kind not in ("placeholder", "output"):
             try:
                 val = compute_meta(self.root, kind, target, args_, kwargs_)
             except (CaptureError,):
@@ -500,6 +505,20 @@ class Emitter(fx.proxy.TracerBase):
         return TensorProxy(node, self)
 
     @contextlib.contextmanager
+    def known_value(self, kind: str, target: Any, args: Any, kwargs: Any, val: Any
+                    ) -> Iterator[None]:
+        """Inside: a call of ``target`` on exactly ``args``/``kwargs`` (the same nodes and
+        size objects, equal constants) takes ``val`` as its value instead of computing it
+        on fake tensors again.  The engines pass a source node's value while its rule
+        rewrites it (the forward computation, written again into the derivative graph)."""
+        old = self._known
+        self._known = (kind, target, self.create_arg(args), self.create_arg(kwargs), val)
+        try:
+            yield
+        finally:
+            self._known = old
+
+    @contextlib.contextmanager
     def meta_defaults(self, **meta: Any) -> Iterator[None]:
         """Stamp ``meta`` on every node created inside the block."""
         old = dict(self.node_meta_defaults)
@@ -514,6 +533,23 @@ class Emitter(fx.proxy.TracerBase):
 
     def to_bool(self, obj: fx.Proxy) -> bool:  # pragma: no cover - TensorProxy overrides
         return bool(obj)
+
+
+def _same_args(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same call arguments: the same nodes, tensors and symbolic
+    sizes (by identity: comparing sizes would record a guard), equal constants of one type."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_args(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_args(a[k], b[k]) for k in a)
+    if isinstance(a, (fx.Node, torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: not the same
+        return False
 
 
 def unwrap(x: Any) -> Any:
