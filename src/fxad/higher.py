@@ -24,6 +24,10 @@ Names in generated forward-mode code: the tangent of input ``x`` is the placehol
 is the tangent of the gradient ``d_x``: the Hessian-vector product).  ``dot_`` rather than
 ``t_`` because FX already names transposes ``t``, ``t_1``.
 
+Keyword arguments of ``f`` are given after the example inputs (``fxad.jvp(f, x, mask=m)``)
+and passed again when calling (``J(x, mask=m)``), as in :func:`fxad.vjp`: inputs of the
+generated code that are not differentiated.
+
 Argument handling and documentation only: the builds run in :mod:`fxad.pipeline`.
 """
 from __future__ import annotations
@@ -37,14 +41,15 @@ import torch.fx as fx
 from .ad.generated import JVPModule
 from .errors import InputError
 from .pipeline import (BatchedDerivative, argnum_positions, build_hessian, build_hvp,
-                       build_jacfwd, build_jacrev, build_jvp)
+                       build_jacfwd, build_jacrev, build_jvp, example_keywords)
 
 __all__ = ["JVPModule", "BatchedDerivative", "jvp", "hvp", "jacrev", "jacfwd", "hessian"]
 
 
 def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Iterable[type] = (),
         argnums: int | Iterable[int] | None = None, simplify: bool = True,
-        dynamic: bool | None = None, dynamic_shapes: Any = None) -> JVPModule:
+        dynamic: bool | None = None, dynamic_shapes: Any = None, values: str = "guard",
+        example_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> JVPModule:
     """Source-to-source Jacobian-vector product (forward mode) of ``f``.
 
     Returns:
@@ -56,9 +61,13 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
         the parameters are constants (tangents of the inputs only).
 
     Args:
-        argnums: positions of the inputs to differentiate (default: all floating inputs).
+        argnums: positions of the positional inputs to differentiate (default: all floating
+            positional inputs).
+        kwargs, example_kwargs: keyword arguments of ``f``, as in :func:`fxad.vjp`: inputs
+            that take no tangent; ``g(*primals, *tangents, **kwargs)``.
         dynamic, dynamic_shapes: build on symbolic sizes, as in :func:`fxad.vjp`
             (:mod:`fxad.symbolic`).
+        values: as in :func:`fxad.vjp`.
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule.
@@ -67,7 +76,8 @@ def jvp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
             shape or dtype does not match its primal.
     """
     return build_jvp(f, example_inputs, leaf_modules=leaf_modules, simplify=simplify,
-                     argnums=argnums, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+                     argnums=argnums, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                     kwargs=example_keywords(example_kwargs, kwargs), values=values)
 
 
 def _function_only(f: Any, what: str) -> Any:
@@ -77,8 +87,8 @@ def _function_only(f: Any, what: str) -> Any:
     if isinstance(f, torch.nn.Module) and not isinstance(f, fx.GraphModule):
         mod = f
 
-        def of_inputs(*xs: Any) -> Any:
-            return mod(*xs)
+        def of_inputs(*xs: Any, **kw: Any) -> Any:
+            return mod(*xs, **kw)
 
         of_inputs.__signature__ = inspect.signature(mod.forward)  # type: ignore[attr-defined]
         of_inputs.__name__ = type(mod).__name__
@@ -88,7 +98,8 @@ def _function_only(f: Any, what: str) -> Any:
 
 def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None = None,
         leaf_modules: Iterable[type] = (), simplify: bool = True,
-        dynamic: bool | None = None, dynamic_shapes: Any = None) -> JVPModule:
+        dynamic: bool | None = None, dynamic_shapes: Any = None, values: str = "guard",
+        example_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> JVPModule:
     """Hessian-vector product of a scalar-valued ``f``, forward-over-reverse: the generated
     JVP of the generated gradient code (:func:`fxad.grad`).
 
@@ -101,10 +112,13 @@ def hvp(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] | None =
         ``hvps[i] = Σ_j ∂²f/∂x_i∂x_j · tangents[j]``.
 
     ``dynamic`` / ``dynamic_shapes``: build on symbolic sizes, as in :func:`fxad.vjp`.
+    Keyword arguments of ``f`` (and ``values``) as in :func:`fxad.vjp`: inputs that are not
+    differentiated; ``h(*inputs, *tangents, **kwargs)``.
     """
     f = _function_only(f, "hvp")
     return build_hvp(f, example_inputs, argnums=argnums, leaf_modules=leaf_modules,
-                     simplify=simplify, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+                     simplify=simplify, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                     kwargs=example_keywords(example_kwargs, kwargs), values=values)
 
 
 def _nums(argnums: int | Iterable[int], n: int) -> tuple[tuple[int, ...], bool]:
@@ -117,7 +131,9 @@ def _nums(argnums: int | Iterable[int], n: int) -> tuple[tuple[int, ...], bool]:
 
 
 def jacrev(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
-           leaf_modules: Iterable[type] = (), simplify: bool = True) -> BatchedDerivative:
+           leaf_modules: Iterable[type] = (), simplify: bool = True, values: str = "guard",
+           example_kwargs: dict[str, Any] | None = None, **kwargs: Any
+           ) -> BatchedDerivative:
     """Jacobian of a tensor-valued ``f`` by reverse mode: the generated VJP (:func:`fxad.vjp`)
     vmapped over the basis of the output space.
 
@@ -135,11 +151,14 @@ def jacrev(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     f = _function_only(f, "jacrev")
     nums, single = _nums(argnums, len(example_inputs))
     return build_jacrev(f, example_inputs, nums, single, leaf_modules=leaf_modules,
-                        simplify=simplify)
+                        simplify=simplify, values=values,
+                        kwargs=example_keywords(example_kwargs, kwargs))
 
 
 def jacfwd(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
-           leaf_modules: Iterable[type] = (), simplify: bool = True) -> BatchedDerivative:
+           leaf_modules: Iterable[type] = (), simplify: bool = True, values: str = "guard",
+           example_kwargs: dict[str, Any] | None = None, **kwargs: Any
+           ) -> BatchedDerivative:
     """Jacobian of ``f`` by forward mode: the generated JVP (:func:`jvp`) vmapped over the
     basis of the inputs in ``argnums``.
 
@@ -154,11 +173,14 @@ def jacfwd(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     f = _function_only(f, "jacfwd")
     nums, single = _nums(argnums, len(example_inputs))
     return build_jacfwd(f, example_inputs, nums, single, leaf_modules=leaf_modules,
-                        simplify=simplify)
+                        simplify=simplify, values=values,
+                        kwargs=example_keywords(example_kwargs, kwargs))
 
 
 def hessian(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
-            leaf_modules: Iterable[type] = (), simplify: bool = True) -> BatchedDerivative:
+            leaf_modules: Iterable[type] = (), simplify: bool = True, values: str = "guard",
+            example_kwargs: dict[str, Any] | None = None, **kwargs: Any
+            ) -> BatchedDerivative:
     """Hessian of a scalar-valued ``f``: the generated HVP (:func:`hvp`, forward-over-reverse)
     vmapped over the basis of the inputs in ``argnums``.
 
@@ -173,4 +195,5 @@ def hessian(f: Callable, *example_inputs: Any, argnums: int | Iterable[int] = 0,
     f = _function_only(f, "hessian")
     nums, single = _nums(argnums, len(example_inputs))
     return build_hessian(f, example_inputs, nums, single, leaf_modules=leaf_modules,
-                         simplify=simplify)
+                         simplify=simplify, values=values,
+                        kwargs=example_keywords(example_kwargs, kwargs))

@@ -109,9 +109,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..api import vjp
+from ..api import vjp as _vjp
 from ..capture.control import eager_semantics
 from ..errors import InputError
+from ..pipeline import example_keywords, value_policy
 from ..simplify._util import draws_random
 from .edited import check_edited
 from .compare import _Failure, _formula_side, _rounding_side, _Setup  # noqa: F401
@@ -128,15 +129,27 @@ __all__ = ["check", "CheckReport", "ROUNDING_FACTOR", "MCA_SAMPLES", "FD_MCA_SAM
 def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None = torch.float64,
           atol: float = 1e-6, rtol: float = 1e-5, fd_eps: float | None = None,
           fd_rtol: float | None = None, seed: int = 0,
-          leaf_modules: Iterable[type] = (), vjp: Any = None) -> CheckReport:
+          leaf_modules: Iterable[type] = (), vjp: Any = None, has_aux: bool = False,
+          values: str = "guard", example_kwargs: dict[str, Any] | None = None,
+          **kwargs: Any) -> CheckReport:
     """Check fxad's VJP of ``f`` at ``inputs`` against autograd and finite differences.
 
     See the module docstring (:mod:`fxad.check`) for what is compared in each dtype, the
     tolerances and their sources.
 
+    Every run (fxad's, autograd's, each finite-difference evaluation) gets fresh copies of
+    the inputs, so a program that updates its inputs in place (``x.mul_(2)``) is checked as
+    :func:`fxad.grad` differentiates it: autograd differentiates with respect to leaves the
+    program receives copies of.
+
     Args:
         f: function or ``nn.Module`` (copied and cast to ``dtype``; the original is untouched).
         inputs: example inputs (floating tensors are cast to ``dtype``).
+        kwargs, example_kwargs: keyword arguments of ``f``, as in :func:`fxad.vjp`: passed to
+            every run (floating tensors cast to ``dtype``), not differentiated.
+        has_aux: ``f`` returns ``(output, aux)`` (as for :func:`fxad.grad`); ``output`` is
+            checked.
+        values: as in :func:`fxad.vjp`.
         dtype: dtype of the check (any floating dtype), ``None`` to keep the inputs' dtypes.
         atol, rtol: elementwise tolerance (``torch.allclose``) of the float64 formula check
             against autograd.
@@ -161,24 +174,35 @@ def check(f: Callable | torch.nn.Module, *inputs: Any, dtype: torch.dtype | None
         CheckError: a cotangent disagrees; the message names the input or parameter and the
             error, the first op whose derivative disagrees and, as its location, the user's
             line of that op.
+        CheckError: also when a run the check needs fails (the function called eagerly on
+            the inputs, torch.autograd's reference, fxad's generated code), naming which.
         InputError: the function has random ops active (dropout in training mode), so no
             oracle can reproduce its values; call ``.eval()`` or set p=0.
     """
     # the reference runs execute torch.cond / while_loop / scan / map as the Python programs
     # they are defined as (fxad's capture still sees them as control flow)
+    kwargs = example_keywords(example_kwargs, kwargs)
+    value_policy(values)  # (validated here; the builds run under it)
     if vjp is not None:
+        if kwargs or has_aux:
+            raise InputError("fxad.check(vjp=...) checks a derivative of positional inputs: "
+                             "keyword arguments and has_aux are not supported there",
+                             hint="check a function that calls f with its keywords and "
+                                  "returns its output only")
         if dtype not in (torch.float64, None):
             raise InputError(f"fxad.check(vjp=...) checks in float64, not {dtype}")
         with eager_semantics(f):
             return check_edited(f, inputs, vjp, atol, rtol, fd_eps, fd_rtol, seed,
                                 tuple(leaf_modules))
     with eager_semantics(f):
-        return _check(f, inputs, dtype, atol, rtol, fd_eps, fd_rtol, seed, leaf_modules)
+        return _check(f, inputs, dtype, atol, rtol, fd_eps, fd_rtol, seed, leaf_modules,
+                      kwargs, has_aux, values)
 
 
 def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: float,
            fd_eps: float | None, fd_rtol: float | None, seed: int,
-           leaf_modules: Iterable[type]) -> CheckReport:
+           leaf_modules: Iterable[type], kwargs: dict, has_aux: bool,
+           values: str) -> CheckReport:
     st = _Setup(atol, rtol, fd_eps, fd_rtol, seed)
     gen = torch.Generator().manual_seed(seed)
     is_mod = isinstance(f, torch.nn.Module)
@@ -186,13 +210,15 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
     if is_mod and dtype is not None:
         fnD = fnD.to(dtype)
     xsD = _cast(inputs, dtype)
-    gD = vjp(fnD, *xsD, leaf_modules=leaf_modules)
+    kwD = _cast(kwargs, dtype)
+    opts = {"leaf_modules": leaf_modules, "has_aux": has_aux, "values": values}
+    gD = _build(fnD, xsD, kwD, opts)
     fwD = gD.meta["fxad_forward"]
     if any(draws_random(n) for n in fwD.graph.nodes):
         raise InputError("fxad.check cannot compare a function with active random ops "
                          "(e.g. dropout in training mode)",
                          hint="call .eval() on the module or set the dropout probability to 0")
-    probD = _Problem(fnD, xsD, is_mod)
+    probD = _Problem(fnD, xsD, is_mod, kwD, has_aux)
     epsD, dtD = _program_eps(fwD, probD)
     report_dtype = dtype if dtype is not None else (dtD or torch.float64)
     precise = epsD <= _eps(torch.float64)
@@ -200,14 +226,15 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
     _NOTES.clear()
 
     # the formula check runs in float64: the same point (D values), cast
-    prob64, g64, fw64, xs64 = probD, gD, fwD, xsD
+    prob64, g64, fw64, xs64, kw64 = probD, gD, fwD, xsD, kwD
     if not precise:
         try:
             fn64: Any = copy.deepcopy(fnD).to(torch.float64) if is_mod else f
             xs64 = _cast(xsD, torch.float64)
-            g64 = vjp(fn64, *xs64, leaf_modules=leaf_modules)
+            kw64 = _cast(kwD, torch.float64)
+            g64 = _build(fn64, xs64, kw64, opts)
             fw64 = g64.meta["fxad_forward"]
-            prob64 = _Problem(fn64, xs64, is_mod)
+            prob64 = _Problem(fn64, xs64, is_mod, kw64, has_aux)
             if _program_eps(fw64, prob64)[0] > _eps(torch.float64) or \
                     len(_float_leaves(prob64.run())) != len(_float_leaves(probD.run())):
                 raise TypeError("the program keeps lower-precision values in float64")
@@ -216,8 +243,10 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
                          f"{str(e).splitlines()[0] if str(e) else ''}); formulas and finite "
                          f"differences checked in {report_dtype}, to about eps**(2/3) = "
                          f"{epsD ** (2 / 3):.2g} relative")
-            prob64, g64, fw64, xs64 = probD, gD, fwD, xsD
+            prob64, g64, fw64, xs64, kw64 = probD, gD, fwD, xsD, kwD
     formula_in_D = prob64 is probD
+    # the captured graph takes the keyword inputs last, positionally (for the bisection)
+    flat64, flatD = xs64 + tuple(kw64.values()), xsD + tuple(kwD.values())
 
     # cotangents: drawn in float64, rounded to D; the float64 checks use the rounded values
     out_refD = probD.run()
@@ -232,12 +261,12 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
             # the autograd comparison first (deterministic, most sensitive; in the fallback the
             # rounding check plays its part), then finite differences
             if elementwise:
-                node = _localize("formula", fw64, xs64, is_mod, st, leaf_modules)
+                node = _localize("formula", fw64, flat64, is_mod, st, leaf_modules)
             else:
-                node = _localize("rounding", fw64, xs64, is_mod, st, leaf_modules, eps=epsD,
+                node = _localize("rounding", fw64, flat64, is_mod, st, leaf_modules, eps=epsD,
                                  dtype=dtD or report_dtype)
             if node is None and fail.kind == "fd":
-                node = _localize("fd", fw64, xs64, is_mod, st, leaf_modules,
+                node = _localize("fd", fw64, flat64, is_mod, st, leaf_modules,
                                  elementwise=elementwise)
         _raise(fail, f, node, fw64, report_dtype)
     fd: _FD = info["fd"]
@@ -251,8 +280,8 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
                                      cots=cotsD)
         if fail is not None:
             node = None if fail.kind == "structure" else _localize(
-                "rounding", fwD, xsD, is_mod, st, leaf_modules, eps=epsD,
-                dtype=dtD or report_dtype, xs64=None if formula_in_D else xs64)
+                "rounding", fwD, flatD, is_mod, st, leaf_modules, eps=epsD,
+                dtype=dtD or report_dtype, xs64=None if formula_in_D else flat64)
             _raise(fail, f, node, fwD, report_dtype)
         ratio = rinfo["ratio"]
         worst_name = rinfo["worst"]
@@ -264,3 +293,8 @@ def _check(f: Any, inputs: tuple, dtype: torch.dtype | None, atol: float, rtol: 
                            (t.dtype for t in prob64.wrt()), torch.float64),
                        formula_max_abs_err=formula_max, rounding_ratio=ratio,
                        rounding_worst=worst_name, notes=notes + sorted(set(_NOTES)))
+
+
+def _build(fn: Any, xs: tuple, kwargs: dict, opts: dict) -> Any:
+    """fxad's VJP of ``fn`` for the check."""
+    return _vjp(fn, *xs, example_kwargs=kwargs, **opts)

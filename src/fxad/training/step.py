@@ -9,7 +9,11 @@ import torch.fx as fx
 from torch.export import Dim
 
 from .. import distributed as _dist
+from ..ad.generated import keyword_values
+from ..capture.decisions import value_policy
+from ..capture.tracer import KeywordCall
 from ..errors import InputError
+from ..pipeline import argnum_positions
 from ..residuals import Checkpoint, Policy, joint_graph, partition
 from ..simplify.schedule import defer_widening_output_casts
 from .capture import _autocast_devices, _AutocastOff, _onednn_enabled, _vjp_graph
@@ -36,6 +40,11 @@ def inductor_available() -> bool:
 
 
 # inductor options joint_step adds unless given: see its docstring
+# the keywords joint_step passes on to torch.compile; other keywords are the model's
+_COMPILE_OPTIONS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options", "name",
+                              "disable", "recompile_limit", "isolate_recompiles",
+                              "shapes_spec"})
+
 JOINT_INDUCTOR_OPTIONS = {"layout_optimization": False, "reorder_for_locality": False,
                           "reorder_for_peak_memory": False}
 
@@ -46,6 +55,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
                checkpoint: Checkpoint | bool | None = None, vjp: Any = None,
                dynamic: bool | None = None, dynamic_shapes: Any = None,
+               values: str = "guard", example_kwargs: dict[str, Any] | None = None,
                **compile_kwargs: Any) -> Callable:
     """The whole training step as one FX graph: ``step(*inputs) -> (loss, input_grads,
     param_grads)`` (as :func:`fxad.grad` returns them: ``param_grads`` a dict by parameter
@@ -120,21 +130,40 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     ``torch.compile`` is asked for dynamic shapes).  Every call checks the inputs against
     what the step was built for (shapes, or the symbolic build's guards).
 
+    Keyword arguments of the model: ``joint_step(model, x, attention_mask=m)`` (keywords
+    that are not options of ``torch.compile``; or ``example_kwargs={...}``), and
+    ``step(x, attention_mask=m)``; as in :func:`fxad.grad`, keyword tensors are inputs
+    that are not differentiated and ``input_grads`` has one entry per positional input.
+    ``values``: as in :func:`fxad.vjp`.
+
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
             wrapped in DDP/FSDP or sharded with ``fully_shard``; when called, inputs the
             step was not built for.
     """
+    kwargs = dict(example_kwargs or {})
+    for k in [k for k in compile_kwargs if k not in _COMPILE_OPTIONS]:
+        kwargs[k] = compile_kwargs.pop(k)
     if vjp is not None:
+        if kwargs:
+            raise InputError("fxad.joint_step(vjp=...) runs an ejected file, whose inputs "
+                             "are positional: keyword arguments are not supported there")
         return edited_joint_step(model, vjp, example_inputs, compile, compile_kwargs)
     _dist.check_joint_step_target(model)
+    keywords = tuple(kwargs)
+    n_pos = len(example_inputs)
+    if keywords:
+        example_inputs = tuple(example_inputs) + tuple(kwargs.values())
+        model = KeywordCall(model, keywords, differentiable=True)
     if channels_last is None:
         channels_last = _onednn_enabled()
     if dynamic and dynamic_shapes is None:
         dynamic_shapes = tuple({d: Dim.AUTO for d in range(x.dim())}
                                if isinstance(x, torch.Tensor) else None for x in example_inputs)
-    v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last,
-                   dynamic_shapes=dynamic_shapes)
+    argnums = argnum_positions(argnums, n_pos)
+    with value_policy(values):
+        v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last,
+                       dynamic_shapes=dynamic_shapes)
     spec = v.meta["fxad_input_spec"]
     devices = _autocast_devices()
     out = v.graph.output_node().args[0]
@@ -158,12 +187,17 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if "fxad_shape_plan" in v.meta:  # decisions the passes took on symbolic sizes
         v.meta["fxad_shape_plan"].refresh(v)
 
-    def step(*inputs: Any) -> Any:
+    def step(*inputs: Any, **kw: Any) -> Any:
+        if kw or keywords:
+            inputs = inputs + keyword_values(kw, keywords, "this training step")
         why = spec.admits(inputs)
         if why is not None:
             raise InputError(f"fxad.joint_step: {why}")
         with torch.no_grad(), _AutocastOff(devices):
-            return fn(*inputs)
+            out = fn(*inputs)
+        if keywords:  # the input gradients of the positional inputs (as fxad.grad)
+            out = (out[0], tuple(out[1][:n_pos]), *out[2:])
+        return out
 
     step.graph_module = g  # type: ignore[attr-defined]
     step.partition = part  # type: ignore[attr-defined]
