@@ -99,6 +99,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxad  # noqa: E402
+from fxad.tools.torchvision_import import prepare_torchvision  # noqa: E402
+
+# transformers imports torchvision where it is installed; its PyPI wheel is a CUDA build
+# whose import fails beside the CPU torch unless prepared (fxad.tools.torchvision_import)
+prepare_torchvision()
 
 Step = Callable[[], Any]
 

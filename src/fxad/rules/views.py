@@ -1257,6 +1257,27 @@ def _check_owns_storage(op: str, x: Any, *, offset_matters: bool = True) -> None
                      "positions refer to the input's own elements")
 
 
+def _storage_order(op: str, x: Any) -> tuple[int, ...] | None:
+    """``None`` for an input that owns its whole storage contiguously; for one that owns it
+    in another dense order (a transposed or permuted view of a whole contiguous tensor,
+    offset 0), the permutation ``perm`` with ``x.permute(perm)`` contiguous, so that storage
+    position ``p`` is element ``p`` of ``x.permute(perm).reshape(-1)``; anything else is
+    refused."""
+    v = _meta(x)
+    if v.is_contiguous():
+        _check_owns_storage(op, x)
+        return None
+    perm = tuple(sorted(range(v.dim()), key=lambda k: (-v.stride(k), -v.shape[k], k)))
+    try:
+        nbytes = v.untyped_storage().nbytes()
+    except Exception:  # noqa: BLE001  storage not inspectable: be conservative
+        nbytes = -1
+    if not (v.permute(perm).is_contiguous() and v.storage_offset() == 0
+            and nbytes == v.numel() * v.element_size()):
+        _check_owns_storage(op, x)  # raises, naming the layout
+    return perm
+
+
 def _check_in_bounds(op: str, x: Any, size: Any, stride: Any, offset: int) -> None:
     """Refuse positions past the input's elements (eager as_strided raises there too)."""
     n = _meta(x).numel()
@@ -1301,28 +1322,33 @@ def _as_strided_rule(op: Any, name: str) -> type:
 
         def fwd(input, size, stride, storage_offset=None):
             _check_in_bounds(name, input, size, stride, _offset(input, storage_offset))
-            _check_owns_storage(name, input)
+            perm = _storage_order(name, input)
             out = op(input, size, stride, storage_offset)
             return out, (tuple(input.shape), input.numel(), tuple(size), tuple(stride),
-                         _offset(input, storage_offset))
+                         _offset(input, storage_offset), perm)
 
         def bwd(aux, d):
-            shape, numel, size, stride, offset = aux
+            shape, numel, size, stride, offset, perm = aux
             p = _positions(size, stride, offset, d.device)
             flat = torch.zeros(numel, dtype=d.dtype, device=d.device)
             d_x = flat.index_add(0, torch.reshape(p, (-1,)), torch.reshape(d, (-1,)))
-            return torch.reshape(d_x, shape), None, None, None
+            if perm is None:
+                return torch.reshape(d_x, shape), None, None, None
+            # storage order back to the input's layout: undo the sorting permutation
+            d_x = torch.reshape(d_x, tuple(shape[k] for k in perm))
+            inverse = tuple(sorted(range(len(perm)), key=lambda k: perm[k]))
+            return torch.permute(d_x, inverse), None, None, None
 
         def jvp(primals, tangents):
             x, size, stride, storage_offset = primals
             _check_in_bounds(name, x, size, stride, _offset(x, storage_offset))
-            _check_owns_storage(name, x)
+            perm = _storage_order(name, x)
             out = op(x, size, stride, storage_offset)
             t = tangents[0]
             if t is None:
                 return out, None
             p = _positions(size, stride, _offset(x, storage_offset), x.device)
-            return out, torch.take(t, p)
+            return out, torch.take(t if perm is None else torch.permute(t, perm), p)
 
         samples = _as_strided_samples
 
@@ -1339,6 +1365,9 @@ def _as_strided_samples(dtype: torch.dtype):
     yield (randn(4, dtype=dtype), (3, 2), (0, 1), 2), {}       # zero stride
     yield (randn(2, 3, dtype=dtype), (), (), 4), {}             # 0-d output
     yield (randn(dtype=dtype), (1,), (1,)), {}                   # 0-d input
+    # a transposed view of a whole tensor: storage positions in the base's order
+    yield (randn(4, 3, dtype=dtype).t(), (2, 3), (1, 4)), {}
+    yield (randn(2, 4, 3, dtype=dtype).permute(2, 0, 1), (3, 2, 2), (2, 12, 1), 1), {}
 
 
 register_vjp(torch.as_strided)(_as_strided_rule(torch.as_strided, "torch.as_strided"))

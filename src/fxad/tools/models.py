@@ -27,6 +27,8 @@ The same cases run in the test suite (``tests/test_real_models.py``).
 from __future__ import annotations
 
 import argparse
+import copy
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ import torch.nn as nn
 
 import fxad
 from ..argparsing import ArgumentParser
+from .torchvision_import import prepare_torchvision
 
 __all__ = ["Case", "cases", "check_case", "train_case", "time_case", "main", "add_arguments",
            "run"]
@@ -55,16 +58,30 @@ class Case:
     train_mode: bool = True
 
 
+def weighted_loss(out: torch.Tensor) -> torch.Tensor:
+    """``mean(w * out ** 2) + mean(w * out)`` in float64 with ``w = linspace(-1, 2)`` along
+    the last dimension (a 0-d ``out`` is returned as it is): unlike ``mean(out ** 2)`` it is
+    not constant on a layer norm's output (whose mean square is 1 whatever its input), so a
+    wrong forward shows in the gradients."""
+    out = out.to(torch.float64)
+    if out.dim() == 0:  # already a loss
+        return out
+    w = torch.linspace(-1.0, 2.0, out.shape[-1], dtype=torch.float64)
+    return (w * out ** 2).mean() + (w * out).mean()
+
+
 class LossOf(nn.Module):
     """``mean(output ** 2)`` of the wrapped model's main output (``logits``,
-    ``last_hidden_state``, or the first tensor it returns); keyword arguments by name."""
+    ``last_hidden_state``, or the first tensor it returns); keyword arguments by name;
+    ``weighted=True``: :func:`weighted_loss` of it instead."""
 
     def __init__(self, model: nn.Module, names: tuple[str, ...] | None = None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, weighted: bool = False) -> None:
         super().__init__()
         self.model = model
         self.names = names
         self.key = key
+        self.weighted = weighted
 
     def forward(self, *inputs: Any) -> torch.Tensor:
         out = self.model(**dict(zip(self.names, inputs))) if self.names else self.model(*inputs)
@@ -73,6 +90,8 @@ class LossOf(nn.Module):
         elif not isinstance(out, torch.Tensor):
             out = next(v for v in (out.values() if hasattr(out, "values") else out)
                        if isinstance(v, torch.Tensor))
+        if self.weighted:
+            return weighted_loss(out)
         return (out.to(torch.float64) ** 2).mean()
 
 
@@ -221,6 +240,7 @@ def cases() -> list[Case]:
 
 
 def _prepared(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, tuple]:
+    prepare_torchvision()  # transformers imports torchvision where it is installed
     torch.manual_seed(seed)
     model, inputs = case.build()
     model = model.to(dtype).train(case.train_mode)
@@ -229,31 +249,58 @@ def _prepared(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module,
     return model, inputs
 
 
-def check_case(case: Case, dtype: torch.dtype = D) -> dict:
+def _reseed(seed: int) -> None:
+    """Seed every generator a model may draw from (torch's, NumPy's, Python's)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def check_case(case: Case, dtype: torch.dtype = D, seed: int = 0, *, input_grads: bool = True,
+               seeds: tuple[int, ...] | None = None, **build_options: Any) -> dict:
     """fxad.grad vs torch.autograd: value, every trainable parameter's and every floating
-    input's gradient.  Returns ``{"max_err": ..., "lines": ..., "build_s": ...}``; raises
-    AssertionError on a mismatch."""
+    input's gradient (``input_grads=False``: parameters only, the inputs not requiring grad
+    in the eager run, as in training).  One build is compared on each of ``seeds`` (default
+    ``(seed,)``): before each run torch's, NumPy's and Python's generators are seeded alike
+    and the module's state is restored, so that dropout and other random ops draw the same
+    numbers, and a random choice fixed at build time shows as a mismatch; ``build_options``
+    go to :func:`fxad.grad`.  Returns ``{"max_err": ..., "lines": ..., "build_s": ...}``;
+    raises AssertionError on a mismatch."""
     model, inputs = _prepared(case, dtype)
+    state = copy.deepcopy(model.state_dict())
+    _reseed(10_000 + seed)  # the build draws under a seed of its own (see above)
     t0 = time.perf_counter()
-    g = fxad.grad(model, *inputs)
+    g = fxad.grad(model, *inputs, **build_options) if input_grads else \
+        fxad.grad(model, *inputs, argnums=(), **build_options)
     build_s = time.perf_counter() - t0
-    value, d_inputs, d_params = g(*inputs)
-    req = [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
-    model.zero_grad(set_to_none=True)
-    ref = model(*req)
-    ref.backward()
-    errs = [(value - ref.detach()).abs().item()]
-    torch.testing.assert_close(value, ref.detach(), msg="value")
-    for i, (x, d) in enumerate(zip(req, d_inputs)):
-        if x.is_floating_point():
-            torch.testing.assert_close(d, x.grad, msg=f"input {i}")
-            errs.append((d - x.grad).abs().max().item())
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(d_params[name], want, msg=name)
-        errs.append((d_params[name] - want).abs().max().item())
+    errs = []
+    for s in (seed,) if seeds is None else seeds:
+        model.load_state_dict(state)
+        _reseed(s)
+        value, d_inputs, d_params = g(*inputs)
+        req = [x.detach().clone().requires_grad_() if input_grads and x.is_floating_point()
+               else x for x in inputs]
+        model.load_state_dict(state)  # buffers (batch-norm statistics) as before fxad's call
+        model.zero_grad(set_to_none=True)
+        _reseed(s)
+        ref = model(*req)
+        ref.backward()
+        errs.append((value - ref.detach()).abs().item())
+        torch.testing.assert_close(value, ref.detach(), msg=f"value (seed {s})")
+        for i, (x, d) in enumerate(zip(req, d_inputs)):
+            if x.requires_grad:
+                torch.testing.assert_close(d, x.grad, msg=f"input {i} (seed {s})")
+                errs.append((d - x.grad).abs().max().item())
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(d_params[name], want, msg=f"{name} (seed {s})")
+            errs.append((d_params[name] - want).abs().max().item())
     return {"max_err": max(errs), "lines": len(g.code.splitlines()), "build_s": build_s,
             "fallback": "fxad_autograd_vjp" in g.code}
 
