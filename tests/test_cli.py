@@ -126,7 +126,8 @@ def test_check_failure_exit_code_1(tmp_path):
 def test_capture_error_is_one_line(user_file, capsys, name, expect):
     """One line, the fix included; a fix that shows code keeps its lines, as the Python API
     prints it (``branchy``'s torch.cond example)."""
-    rc = main(["show", f"{user_file}:{name}", "--input", "randn(4, 3)"])
+    # --values refuse: by default such decisions are taken and guarded
+    rc = main(["show", f"{user_file}:{name}", "--input", "randn(4, 3)", "--values", "refuse"])
     err = capsys.readouterr().err
     assert rc == 2
     lines = err.strip().splitlines()
@@ -142,12 +143,14 @@ def test_capture_error_is_one_line(user_file, capsys, name, expect):
 
 
 def test_debug_shows_traceback(user_file, capsys):
-    rc = main(["--debug", "show", f"{user_file}:branchy", "--input", "randn(4, 3)"])
+    rc = main(["--debug", "show", f"{user_file}:branchy", "--input", "randn(4, 3)",
+               "--values", "refuse"])
     err = capsys.readouterr().err
     assert rc == 2
     assert "Traceback (most recent call last)" in err and "DataDependentError" in err
     # --debug is accepted after the command as well
-    rc = main(["show", f"{user_file}:branchy", "-i", "randn(4, 3)", "--debug"])
+    rc = main(["show", f"{user_file}:branchy", "-i", "randn(4, 3)", "--values", "refuse",
+               "--debug"])
     assert rc == 2 and "Traceback" in capsys.readouterr().err
 
 

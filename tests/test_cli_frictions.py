@@ -200,7 +200,8 @@ def test_too_many_inputs_names_the_users_def_and_the_fix(model_file, capsys):
 
 
 def test_multi_line_fix_keeps_its_lines(model_file, capsys):
-    assert main(["show", f"{model_file}:branchy", "-i", "randn(3)"]) == 2
+    # --values refuse: by default such decisions are taken and guarded
+    assert main(["show", f"{model_file}:branchy", "-i", "randn(3)", "--values", "refuse"]) == 2
     err = capsys.readouterr().err.rstrip().splitlines()
     assert err[0].startswith("fxad: error: Python control flow depends on the value")
     assert f"m.py:{_line(model_file, 'if x.sum() > 0')}" in err[0]
@@ -208,7 +209,7 @@ def test_multi_line_fix_keeps_its_lines(model_file, capsys):
     assert err[2].startswith("        y = torch.cond(")
     # as the Python API prints the same fix
     with pytest.raises(fxad.DataDependentError) as info:
-        fxad.vjp(lambda x: x if x.sum() > 0 else -x, torch.randn(3))
+        fxad.vjp(lambda x: x if x.sum() > 0 else -x, torch.randn(3), values="refuse")
     assert "\n        def positive(x): return x.sin()\n" in str(info.value)
 
 

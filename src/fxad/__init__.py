@@ -14,7 +14,7 @@ from .api import ModeWarning, VJPModule, code_with_shapes, grad, show, trace, vj
 from .check import CheckReport, check
 from .higher import BatchedDerivative, JVPModule, hessian, hvp, jacfwd, jacrev, jvp
 from .errors import (CaptureError, CheckError, DataDependentError, FxadError, InplaceError,
-                     InputError, MissingRuleError, RuleError, SourceLoc)
+                     InputError, MissingRuleError, RuleError, SourceLoc, ValueGuardError)
 from .rules.fused import fused_kernels
 from .rules.fallback import FallbackWarning  # noqa: F401  (fxad.FallbackWarning)
 from .residuals import Partition, Policy, partition, set_residual_policy
@@ -29,7 +29,7 @@ __all__ = [
     "fused_kernels", "trace", "vjp", "grad", "check", "show", "code_with_shapes", "register_vjp", "lookup",
     "all_rules", "unregister", "Rule", "CheckReport", "VJPModule", "ModeWarning", "FxadError",
     "CaptureError", "DataDependentError", "InplaceError", "MissingRuleError", "RuleError",
-    "CheckError", "InputError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
+    "CheckError", "InputError", "ValueGuardError", "SourceLoc", "jvp", "hvp", "jacrev", "jacfwd", "hessian",
     "JVPModule", "BatchedDerivative", "compile", "FxadModule", "joint_step", "partition",
     "Partition", "Policy", "set_residual_policy", "view", "View", "plot", "eject",
 ]

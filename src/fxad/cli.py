@@ -234,7 +234,7 @@ def _build(args: argparse.Namespace) -> Any:
     build = grad if args.grad else vjp
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FallbackWarning)
-        gm = build(obj, *inputs, leaf_modules=leaves)
+        gm = build(obj, *inputs, leaf_modules=leaves, values=args.values)
     for w in caught:  # the autograd fallback: one note (its lines are marked in the code)
         if issubclass(w.category, FallbackWarning):
             print(f"fxad: warning: {w.message} (marked `# autograd fallback` in the code)",
@@ -296,7 +296,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError(f"--vjp {args.vjp}: no such file",
                          hint="write one with fxad eject FILE.py:NAME --input ... -o FILE")
     report = check(obj, *inputs, dtype=_DTYPES[args.dtype], seed=args.seed,
-                   leaf_modules=leaves, vjp=args.vjp)
+                   leaf_modules=leaves, vjp=args.vjp, values=args.values)
     print(report)
     return EXIT_OK
 
@@ -446,6 +446,10 @@ def _target_arguments(c: argparse.ArgumentParser, *, optional: bool = False) -> 
                    help="keep instances of this nn.Module class as single ops (like "
                         "leaf_modules=; the class needs an fxad.register_vjp rule); a "
                         "class in FILE.py or a dotted path; repeatable")
+    c.add_argument("--values", choices=("guard", "guard+sizes", "refuse"), default="guard",
+                   help="Python decisions on tensor values (if, assert, .item()): taken on "
+                        "the inputs' values and checked on every call ('guard', default), "
+                        "data-dependent sizes too ('guard+sizes'), or refused ('refuse')")
 
 
 def build_parser() -> ArgumentParser:

@@ -56,7 +56,11 @@ KINDS = ("vjp", "grad", "training")
 #: globals of fx's generated code that the ejected file provides itself
 _PROVIDED = {"torch": "import torch", "inf": "from math import inf",
              "nan": "from math import nan", "device": "from torch import device",
-             "NoneType": "NoneType = type(None)"}
+             "NoneType": "NoneType = type(None)",
+             # side effects replayed by the code (fxad.capture.effects)
+             "print": "from builtins import print", "numpy": "import numpy",
+             # guards of decisions on tensor values (fxad.capture.decisions)
+             "fxad_expect": "from fxad.guards import expect as fxad_expect"}
 _counter = itertools.count()
 
 

@@ -83,3 +83,18 @@ class CheckError(FxadError):
 
 class InputError(FxadError):
     """Inputs or cotangents handed to fxad do not match what was captured."""
+
+
+class ValueGuardError(InputError):
+    """A decision the program took on a tensor's value at build time (``if x.sum() > 0``,
+    ``t.item()``, ``torch.equal(a, b)``) comes out differently for the inputs of this call;
+    the generated code was specialized on the build-time value (a guard line
+    ``fxad_expect(...)`` in the code raised it).  ``where`` is the user's line and
+    expression, ``taken`` the value at build time, ``now`` the value for this call."""
+
+    def __init__(self, message: str, *, where: str = "", taken: object = None,
+                 now: object = None, hint: str | None = None) -> None:
+        self.where = where
+        self.taken = taken
+        self.now = now
+        super().__init__(message, hint=hint)

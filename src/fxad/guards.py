@@ -15,6 +15,14 @@ static, that dimensions sharing a size symbol still agree (``idx.size(0) == tgt.
 and every relation the program or the derivative code assumed of the sizes (``T <= 64``),
 naming the user's line that imposed it.
 
+Decisions on tensor *values* (``if x.sum() > 0``, ``assert (t > 0).all()``, ``t.item()``,
+``torch.equal(a, b)``, ``t.tolist()``; :mod:`fxad.capture.decisions`) are taken at build time
+on the real example value, and the generated code re-checks each of them where the program
+took it, with a guard line ``fxad_expect(question, operands, taken, where)`` (:func:`expect`)
+that raises :class:`fxad.ValueGuardError` (an :class:`fxad.InputError`) when the value comes
+out differently.  Each such line reads the tensor's value: one device synchronization per
+guard when the program runs on a GPU.
+
 A module captured from an ``nn.Module`` also bakes in each submodule's training flag
 (dropout, batch-norm statistics): :func:`install_mode_check` warns with a
 :class:`ModeWarning` when it is called after the flags changed.
@@ -29,10 +37,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from .errors import InputError
+from .errors import InputError, ValueGuardError
 from .graph.sizes import expr_of, is_symbolic
 
-__all__ = ["InputSpec", "spec_of", "ModeWarning", "install_mode_check"]
+__all__ = ["InputSpec", "spec_of", "ModeWarning", "install_mode_check", "expect"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,9 @@ class InputSpec:
     # integer tensor inputs whose *values* the trace read (the lengths of a packed sequence):
     # argument position -> value; and constant tensors it read: (the tensor, its value then)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    # arguments before this position are the program's inputs: ``None`` for a tensor is an
+    # error there (it would take another branch), not a zero cotangent
+    strict_inputs: int = 0
     constants: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def check(self, args: Sequence[Any]) -> None:
@@ -136,7 +147,7 @@ class InputSpec:
             return
         if isinstance(slot, _TensorSlot):
             if not isinstance(v, torch.Tensor):
-                if v is None:
+                if v is None and i >= self.strict_inputs:
                     return  # a zero cotangent / tangent, where the module allows it
                 raise InputError(f"argument {self._where(i, j)} must be a tensor (it was "
                                  f"traced with one), got {type(v).__name__}")
@@ -158,6 +169,9 @@ class InputSpec:
                                  f"module was traced for {slot.device}; {self.rebuild}")
             return
         _, want = slot
+        if isinstance(want, torch.Generator) and isinstance(v, torch.Generator) \
+                and v.device == want.device:
+            return  # a generator the code draws from (fxad.capture.effects): any one
         if isinstance(v, torch.Tensor) or type(v) is not type(want) or v != want:
             raise InputError(
                 f"argument {self._where(i, j)} is {v!r}, but this module was traced with "
@@ -304,3 +318,87 @@ def install_mode_check(gm: Any, mod: torch.nn.Module) -> None:
                 "switching modes", ModeWarning, stacklevel=2)
 
     gm.register_forward_pre_hook(hook)
+
+
+# -- guards on decisions taken on tensor values --------------------------------------------
+# question -> how the generated code asks it again (the operands are the tensors, then any
+# Python arguments of the question)
+QUESTIONS: dict[str, Any] = {
+    "bool": torch.Tensor.__bool__, "item": torch.Tensor.item, "int": torch.Tensor.__int__,
+    "float": torch.Tensor.__float__, "complex": torch.Tensor.__complex__,
+    "index": torch.Tensor.__index__, "tolist": torch.Tensor.tolist,
+    "contains": torch.Tensor.__contains__, "is_nonzero": torch.is_nonzero,
+    "torch.equal": torch.equal, "torch.allclose": torch.allclose,
+    "count_nonzero": lambda t: int(torch.count_nonzero(t)),
+    "sum_int": lambda t: int(t.sum()),
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exact equality, NaN equal to NaN, element by element in lists and tuples."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, complex) and isinstance(b, complex):
+        return _same(a.real, b.real) and _same(a.imag, b.imag)
+    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and not
+                                              isinstance(a, bool) and not isinstance(b, bool)
+                                              and isinstance(b, (int, float)) and a == b)
+
+
+def _abstract(operands: Sequence[Any]) -> bool:
+    """Operands without data (fake or meta tensors: a pass computing shapes runs the node),
+    or graph proxies: nothing to check."""
+    return any(isinstance(o, (FakeTensor, torch.fx.Proxy)) or
+               isinstance(o, torch.Tensor) and o.device.type == "meta" for o in operands)
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def expect(question: str, operands: tuple, taken: Any, where: str,
+           options: dict | None = None) -> None:
+    """Guard line of generated code: ask ``question`` of ``operands`` again and raise
+    :class:`fxad.ValueGuardError` unless the answer equals ``taken``, the value the program
+    decided on at build time (floats compared exactly).
+
+    Args:
+        question: a key of :data:`QUESTIONS` (``"bool"`` for ``if t:``, ``"item"``,
+            ``"torch.equal"``, ``"count_nonzero"`` for a data-dependent output size...).
+        operands: the tensors asked about (and Python arguments of the question).
+        taken: the build-time answer (bool, int, float, complex, nested list, tuple).
+        where: the user's line and statement (``"model.py:12 if x.sum() > 0:"``).
+        options: keyword arguments of the question (``rtol=`` of ``torch.allclose``).
+
+    Raises:
+        ValueGuardError: the answer differs; the message names ``where``, the question and
+            both values.
+    """
+    if _abstract(operands):
+        return
+    now = QUESTIONS[question](*operands, **(options or {}))
+    if _same(now, taken):
+        return
+    asked = f"{question}(...)"
+    raise ValueGuardError(
+        f"{where}: the code was built for {asked} = {_brief(taken)}, but for these inputs it "
+        f"is {_brief(now)} (fxad takes Python decisions on tensor values at build time and "
+        "checks them on every call)", where=where, taken=taken, now=now,
+        hint="rebuild for these inputs (fxad.compile does so by itself); to serve both "
+             "values with one build, write the choice as tensor code (torch.where(pred, a, "
+             "b), or torch.cond for two code paths), or pass the value as an argument")
+
+
+def _register_expect() -> None:
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - very old torch
+        return
+    _register_custom_builtin("fxad_expect", "from fxad.guards import expect as fxad_expect",
+                             expect)
+
+
+_register_expect()

@@ -64,7 +64,7 @@ def _is_proxy(*values: Any) -> Any:
     return None
 
 
-def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
+def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple, rng: Any = None) -> Any:
     """``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``: ``torch.cond`` as fxad
     captures it (both branches are graphs of the module; the predicate is read at run time,
     so one build is right whichever branch the data takes).
@@ -75,11 +75,45 @@ def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
             shapes and dtypes.
         operands: tuple of tensors (the branch inputs, then the tensors the branches read
             from outside, lifted by capture).
+        rng: random-number generator states saved by :func:`rng_state` before the forward
+            branch ran: the branch then runs with them (and the generators are put back
+            after), so a branch that recomputes the forward inside its derivative draws the
+            forward's numbers again (dropout masks), as ``torch.utils.checkpoint`` does.
     """
     tracer = _is_proxy(pred, operands)
     if tracer is not None:
-        return tracer.create_proxy("call_function", cond, (pred, true_fn, false_fn, operands), {})
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+        args = (pred, true_fn, false_fn, operands) + (() if rng is None else (rng,))
+        return tracer.create_proxy("call_function", cond, args, {})
+    branch = true_fn if bool(pred) else false_fn
+    if rng is None:
+        return branch(*operands)
+    devices = [rng[1].device] if len(rng) > 1 else []
+    with torch.random.fork_rng(devices=[d.index or 0 for d in devices]):
+        torch.set_rng_state(rng[0])
+        if len(rng) > 1:
+            torch.cuda.set_rng_state(rng[2], rng[1].device)
+        return branch(*operands)
+
+
+def rng_state(pred: Any) -> tuple:
+    """The states of the random-number generators a branch selected by ``pred`` draws from:
+    ``(cpu_state,)``, or ``(cpu_state, device_marker, cuda_state)`` when ``pred`` is on a CUDA
+    device (uint8 tensors, ``torch.get_rng_state()``'s form); see :func:`cond`'s ``rng``."""
+    tracer = _is_proxy(pred)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", rng_state, (pred,), {})
+    if type(pred).__name__ == "FakeTensor":  # fxad computing the result's metadata
+        with torch._C.DisableTorchFunction():
+            cpu = torch.empty(torch.get_rng_state().shape, dtype=torch.uint8, device="cpu")
+            if pred.device.type == "cuda":
+                return (cpu, torch.empty(0, device=pred.device),
+                        torch.empty(torch.cuda.get_rng_state(pred.device).shape,
+                                    dtype=torch.uint8, device="cpu"))
+            return (cpu,)
+    if isinstance(pred, torch.Tensor) and pred.device.type == "cuda":
+        return (torch.get_rng_state(), torch.empty(0, device=pred.device),
+                torch.cuda.get_rng_state(pred.device))
+    return (torch.get_rng_state(),)
 
 
 def while_loop(cond_fn: Any, body_fn: Any, carried: tuple, additional: tuple = ()) -> tuple:
@@ -262,7 +296,7 @@ def _register_builtins() -> None:
     _register_custom_builtin("fxad_autograd_function",
                              "from fxad.ops import autograd_function as fxad_autograd_function",
                              autograd_function)
-    for name, fn in (("cond", cond), ("while_loop", while_loop),
+    for name, fn in (("cond", cond), ("rng_state", rng_state), ("while_loop", while_loop),
                      ("while_loop_vjp", while_loop_vjp), ("while_loop_jvp", while_loop_jvp),
                      ("scan", scan), ("scan_vjp", scan_vjp), ("scan_jvp", scan_jvp)):
         _register_custom_builtin(f"fxad_{name}", f"from fxad.ops import {name} as fxad_{name}",

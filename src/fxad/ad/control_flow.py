@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
+from ..capture.control import draws_in
 from ..graph.proxy import fetch_attr, to_fake
 from ..rules.registry import Rule
 from .node_rules import register_node_rule
@@ -93,14 +94,23 @@ def _zeros_for(ts: Any, vals: Sequence[Any]) -> tuple:
 
 
 def cond_rule(node: fx.Node) -> Rule:
-    def fwd(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> tuple[Any, Any]:
+    def fwd(pred: Any, true_fn: Any, false_fn: Any, operands: tuple, rng: Any = None
+            ) -> tuple[Any, Any]:
         em = true_fn.tracer
-        value = em.create_proxy("call_function", ops.cond, (pred, true_fn, false_fn, operands),
-                                {})
-        return value, (pred, true_fn, false_fn, operands)
+        # a replayed cond (a backward differentiated again) runs with its saved states
+        args = (pred, true_fn, false_fn, operands) + (() if rng is None else (rng,))
+        if rng is None and (draws_in(_module(true_fn)) or draws_in(_module(false_fn))):
+            # the backward recomputes the branch: it must draw the forward's numbers again,
+            # so the generators' states are saved just before the branch draws
+            rng = em.create_proxy("call_function", ops.rng_state, (pred,), {})
+            rng.node.meta["fxad_side_effect"] = True
+        value = em.create_proxy("call_function", ops.cond, args, {})
+        if rng is not None:
+            value.node.meta["fxad_draws_random"] = True
+        return value, (pred, true_fn, false_fn, operands, rng)
 
     def bwd(aux: Any, d_out: Any) -> tuple:
-        pred, true_fn, false_fn, operands = aux
+        pred, true_fn, false_fn, operands, rng = aux
         em = true_fn.tracer
         ex = _examples(operands)
         t_vjp = _derivative("vjp", _module(true_fn), ex, em)
@@ -115,16 +125,19 @@ def cond_rule(node: fx.Node) -> Rule:
         tv = _attach(em, t_vjp, "true_branch_vjp")
         fv = _attach(em, f_vjp, "false_branch_vjp")
         res = em.create_proxy("call_function", ops.cond,
-                              (pred, tv, fv, tuple(operands) + (cot,)), {})
+                              (pred, tv, fv, tuple(operands) + (cot,))
+                              + (() if rng is None else (rng,)), {})
+        if rng is not None:
+            res.node.meta["fxad_draws_random"] = True
         grads = em.create_proxy("call_function", operator.getitem, (res, 1), {})
         out = []
         for k, (o, v) in enumerate(zip(operands, ex)):
             out.append(em.create_proxy("call_function", operator.getitem, (grads, k), {})
                        if isinstance(o, fx.Proxy) and _floating(v) else None)
-        return (None, None, None, out)
+        return (None, None, None, out, None)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
-        pred, true_fn, false_fn, operands = primals
+        pred, true_fn, false_fn, operands = primals[:4]
         em = true_fn.tracer
         ex = _examples(operands)
         t_jvp = _derivative("jvp", _module(true_fn), ex, em)
@@ -132,8 +145,12 @@ def cond_rule(node: fx.Node) -> Rule:
         tans = _zeros_for(tangents[3], ex)
         tj = _attach(em, t_jvp, "true_branch_jvp")
         fj = _attach(em, f_jvp, "false_branch_jvp")
+        rng = primals[4] if len(primals) > 4 else None
         res = em.create_proxy("call_function", ops.cond,
-                              (pred, tj, fj, tuple(operands) + tuple(tans)), {})
+                              (pred, tj, fj, tuple(operands) + tuple(tans))
+                              + (() if rng is None else (rng,)), {})
+        if rng is not None or draws_in(_module(true_fn)) or draws_in(_module(false_fn)):
+            res.node.meta["fxad_draws_random"] = True
         value = em.create_proxy("call_function", operator.getitem, (res, 0), {})
         tangent = em.create_proxy("call_function", operator.getitem, (res, 1), {})
         return value, tangent
@@ -141,7 +158,7 @@ def cond_rule(node: fx.Node) -> Rule:
     return Rule(op=ops.cond, fwd=fwd, bwd=bwd, jvp=jvp,
                 source="torch.cond: the derivative of the branch the predicate selects "
                        "(each branch differentiated by fxad)",
-                params=("pred", "true_fn", "false_fn", "operands"), residuals="inputs")
+                params=("pred", "true_fn", "false_fn", "operands", "rng"), residuals="inputs")
 
 
 def while_loop_rule(node: fx.Node) -> Rule:

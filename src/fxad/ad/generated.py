@@ -14,11 +14,12 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.outputs import OUTPUT_SPEC, restore_output
 from ..capture.tracer import capturing
 from ..errors import InputError
 from .forward import TANGENT_PREFIX
 
-__all__ = ["VJPModule", "JVPModule"]
+__all__ = ["VJPModule", "JVPModule", "keyword_arguments", "keyword_values"]
 
 
 class VJPModule(fx.GraphModule):
@@ -34,12 +35,97 @@ class VJPModule(fx.GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self.meta.get("fxad_input_spec")
-        if spec is not None and not kwargs:
+        args = keyword_arguments(self, args, kwargs, spec.names if spec is not None else None)
+        if spec is not None:
             spec.check(args)  # what the trace specialized on (fxad.guards)
-        if self.record_autograd or capturing():  # captured by fxad again: keep grad mode
-            return super().__call__(*args, **kwargs)
+        if capturing():  # captured by fxad again: keep grad mode
+            return super().__call__(*args)
+        if self.record_autograd:
+            return self._containers(super().__call__(*args))
         with torch.no_grad():
-            return super().__call__(*args, **kwargs)
+            return self._containers(super().__call__(*args))
+
+    def _containers(self, result: Any) -> Any:
+        """``(output, grads, ...[, aux])`` with the output (and ``aux``) in the program's own
+        containers (a ``ModelOutput``, a namedtuple: :mod:`fxad.capture.outputs`)."""
+        spec = self.meta.get(OUTPUT_SPEC)
+        if spec is None or not isinstance(result, tuple) or not result:
+            return result
+        out = list(result)
+        if self.meta.get("fxad_has_aux"):
+            if spec.num_children != 2 or len(out) < 3:
+                return result
+            out[0] = restore_output(out[0], spec.child(0))
+            out[-1] = restore_output(out[-1], spec.child(1))
+        else:
+            out[0] = restore_output(out[0], spec)
+        return tuple(out)
+
+
+def keyword_arguments(gm: fx.GraphModule, args: tuple, kwargs: dict,
+                      names: list[str] | None, tail: int = 0, full: int | None = None) -> tuple:
+    """The arguments of a call of a generated module in the order of its placeholders.
+
+    A module built with keyword example inputs (``meta['fxad_keywords']``: ``(n_positional,
+    keywords)``) takes them as keywords after its positional arguments: ``g(x, cotangent,
+    mask=m)`` runs the code ``forward(x, mask, cotangent)``; ``tail`` more ``None``
+    arguments follow the others (a JVP's tangents of the keyword inputs).  Called with all
+    its arguments positionally, in the code's order (``full`` of them; default
+    ``len(names)``), it takes them as they are.  Other modules bind keywords by name.
+
+    Raises:
+        InputError: a keyword missing, unknown or given twice.
+    """
+    spec = gm.meta.get("fxad_keywords")
+    if spec is None:
+        if not kwargs:
+            return args
+        if names is None:
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        bound = list(args) + [_MISSING] * (len(names) - len(args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise InputError(f"this module takes no argument `{k}` (its arguments: "
+                                 f"{', '.join(names)})")
+            i = names.index(k)
+            if bound[i] is not _MISSING:
+                raise InputError(f"argument `{k}` given twice")
+            bound[i] = v
+        missing = [names[i] for i, v in enumerate(bound) if v is _MISSING]
+        if missing:
+            raise InputError(f"missing argument(s) {', '.join(missing)}")
+        return tuple(bound)
+    n_pos, keywords = spec
+    if full is None:
+        full = len(names) if names is not None else -1
+    if not kwargs and len(args) == full:
+        return args  # the code's own order
+    return args[:n_pos] + keyword_values(kwargs, keywords) + args[n_pos:] + (None,) * tail
+
+
+def keyword_values(kwargs: dict, keywords: tuple[str, ...], what: str = "this module"
+                   ) -> tuple:
+    """The values of ``kwargs`` in the order of ``keywords`` (those a build took).
+
+    Raises:
+        InputError: a keyword missing or unknown.
+    """
+    if tuple(kwargs) == keywords:
+        return tuple(kwargs.values())
+    unknown = sorted(set(kwargs) - set(keywords))
+    missing = [k for k in keywords if k not in kwargs]
+    if unknown or missing:
+        raise InputError(
+            f"{what} was built with the keyword argument(s) "
+            f"{', '.join(keywords) or '(none)'}"
+            + (f"; missing: {', '.join(missing)}" if missing else "")
+            + (f"; unknown: {', '.join(unknown)}" if unknown else ""),
+            hint="call it with the keyword arguments it was built with, as f is called "
+                 "(a different set of keywords needs a new build)")
+    return tuple(kwargs[k] for k in keywords)
+
+
+_MISSING = object()
 
 
 class JVPModule(fx.GraphModule):
@@ -58,9 +144,14 @@ class JVPModule(fx.GraphModule):
     record_autograd: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
+        kw = self.meta.get("fxad_keywords")
+        if kwargs and kw is None:
             raise InputError("fxad JVP modules take positional arguments only: "
                              "gm(*primals, *tangents)")
+        if kw is not None:  # built with keyword inputs: gm(*primals, *tangents, **kwargs)
+            names = [s[0] for s in self.meta.get("fxad_jvp_inputs", [])]
+            args = keyword_arguments(self, args, kwargs, names, tail=len(kw[1]),
+                                     full=2 * len(names))
         args = self._check_arguments(args)
         spec = self.meta.get("fxad_input_spec")
         if spec is not None:  # what the trace specialized on (fxad.guards)

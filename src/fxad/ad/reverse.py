@@ -242,7 +242,12 @@ class ReverseTransform:
             raise RuleError(f"rule for {node_desc(gm, node)} cannot take the call's arguments: {e}",
                             op=node_desc(gm, node), loc=node.meta.get("fxad_loc")) from e
         before = len(self.graph.nodes)
-        with rule_errors(gm, node, "forward"), self.em.meta_defaults(fxad_fwd_of=node.name):
+        # the rule writes the node's own call again: it takes the value capture computed
+        known = self.em.known_value(node.op, node.target, args, kwargs, node.meta["val"]) \
+            if node.op in ("call_function", "call_method") and "val" in node.meta \
+            else contextlib.nullcontext()
+        with rule_errors(gm, node, "forward"), self.em.meta_defaults(fxad_fwd_of=node.name), \
+                known:
             result = rule.fwd(*args, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise RuleError(f"fwd of the rule for {node_desc(gm, node)} must return (value, aux)",
@@ -574,6 +579,8 @@ def _unwrap(x: Any) -> Any:
         return x.node
     if isinstance(x, dict):
         return {k: _unwrap(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_unwrap(v) for v in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_unwrap(v) for v in x)
     return x

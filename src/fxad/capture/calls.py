@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from ..originals import torch_function
+
 # composites of ops that have rules, whose single-node form would need a fallback
 _TRACE_THROUGH = frozenset({F.multi_head_attention_forward})
 

@@ -40,7 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..graph.proxy import fake_mode, to_fake, user_source_loc
+from ..graph.proxy import fake_mode, fetch_attr, to_fake, user_source_loc
+from ..simplify._util import draws_random
 from ..ops import cond as cond_op
 from ..ops import scan as scan_op
 from ..ops import while_loop as while_op
@@ -183,6 +184,172 @@ def capture_cond(cap: Any, pred: Any, true_fn: Callable, false_fn: Callable,
     else:
         cap.bind_outputs(value, node)
     return value
+
+
+def draws_in(gm: Any) -> bool:
+    """The branch or body graph ``gm`` (or a graph it calls) draws random numbers."""
+    if not isinstance(gm, fx.GraphModule):
+        return False
+    for n in gm.graph.nodes:
+        if draws_random(n):
+            return True
+        if n.op == "get_attr" and draws_in(_attr(gm, n.target)):
+            return True
+    return False
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    try:
+        return fetch_attr(gm, target)
+    except (AttributeError, KeyError):
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, _PLAIN):
+        return False
+    return a == b
+
+
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+class BranchMismatch:
+    """Why a variable has no value after a captured ``if`` (its branches disagree)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def capture_if(cap: Any, pred: torch.Tensor, branches: Sequence[Callable[[], tuple]],
+               before: tuple, names: Sequence[str], absent: Any) -> list[Any]:
+    """A Python ``if`` on the tensor ``pred`` recorded as one ``fxad.ops.cond`` node.
+
+    ``branches`` are the true and false branch as functions of no arguments returning the
+    new values of the variables ``names`` (``before``: their values before the ``if``,
+    ``absent`` for a variable not yet bound).  Each is captured as a graph; for each
+    variable, tensors of equal shape and dtype in both branches become outputs of the cond,
+    Python values equal in both stay Python values, Python numbers that differ become 0-d
+    tensors.  A variable whose branches disagree otherwise (bound in one branch only, other
+    shapes, other structure) gets a :class:`BranchMismatch` saying why.
+
+    Returns:
+        the new value of each variable, in the order of ``names``.
+    """
+    specs: list[list[tuple[Any, list[Any]]]] = []
+    flats: list[list[Any]] = []
+    graphs = []
+    for k, branch in enumerate(branches):
+        per_var: list[tuple[Any, list[Any]]] = []
+        flat: list[Any] = []
+
+        def run(branch: Callable[[], tuple] = branch, per_var: list = per_var,
+                flat: list = flat) -> tuple:
+            values = branch()
+            for v in values:
+                leaves, spec = pytree.tree_flatten(v)
+                per_var.append((spec, leaves))
+                flat.extend(x for x in leaves if isinstance(x, torch.Tensor))
+            return tuple(flat)
+
+        graphs.append(subgraph(cap, run, (), ("true_branch", "false_branch")[k]))
+        specs.append(per_var)
+        flats.append(flat)
+    outs: list[list[Any]] = [[], []]   # per branch: the tensors the cond returns
+    plan: list[Any] = []               # per variable: (spec, [("out", j) | ("py", v)]) or why
+    for i, name in enumerate(names):
+        (ts, tl), (fs, fl) = specs[0][i], specs[1][i]
+        bs, bl = pytree.tree_flatten(before[i])
+        if any(x is absent for x in tl + fl):
+            plan.append(BranchMismatch(f"`{name}` is assigned in one branch only and has no "
+                                       "value before the `if`"))
+            continue
+        if ts != fs:
+            plan.append(BranchMismatch(f"`{name}` gets values of different structure in the "
+                                       f"two branches ({_shape_of(ts)} and {_shape_of(fs)})"))
+            continue
+        items: list[Any] = []
+        why = None
+        for a, b, *old in zip(tl, fl, *([bl] if bs == ts else [])):
+            if old and a is old[0] and b is old[0]:
+                items.append(("py", a))  # unchanged in both branches
+            elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    why = (f"`{name}` is a tensor of {str(a.dtype)[6:]}{list(a.shape)} in the "
+                           f"true branch and {str(b.dtype)[6:]}{list(b.shape)} in the false one")
+                    break
+                items.append(("out", len(outs[0])))
+                outs[0].append(a)
+                outs[1].append(b)
+            elif _same(a, b):
+                items.append(("py", a))
+            elif isinstance(a, (bool, int, float)) and isinstance(b, (bool, int, float)) \
+                    and not isinstance(a, torch.Tensor):
+                items.append(("out", len(outs[0])))
+                outs[0].append(a)
+                outs[1].append(b)
+            else:
+                why = f"`{name}` is {a!r} in the true branch and {b!r} in the false one"
+                break
+        plan.append(BranchMismatch(why) if why else (ts, items))
+    for k, (gm, _) in enumerate(graphs):
+        _select_outputs(gm, flats[k], outs[k], outs[1 - k])
+    new: list[Any] = []
+    if outs[0]:
+        (t_gm, f_gm), lifted = _unify(graphs)
+        tn, fn_ = _attach(cap, t_gm, "true_branch"), _attach(cap, f_gm, "false_branch")
+        flat_out = _outputs(t_gm)
+        one = isinstance(flat_out, torch.Tensor)
+        value = _fresh(flat_out) if one else tuple(_fresh(v) for v in flat_out)
+        node = cap.record("call_function", cond_op, (pred, tn, fn_, tuple(lifted)), {}, value,
+                          "if")
+        node.meta["val"] = snapshot(value) if one else tuple(snapshot(v) for v in value)
+        if draws_in(t_gm) or draws_in(f_gm):
+            node.meta["fxad_draws_random"] = True
+        cap.bind_outputs(value, node)
+        value = (value,) if one else value
+    else:
+        value = ()
+    for p in plan:
+        if isinstance(p, BranchMismatch):
+            new.append(p)
+            continue
+        spec, items = p
+        new.append(pytree.tree_unflatten([value[j] if kind == "out" else j
+                                          for kind, j in items], spec))
+    return new
+
+
+def _shape_of(spec: Any) -> str:
+    if spec.type is None:
+        return "a single value"
+    n = spec.num_leaves
+    return f"a {spec.type.__name__} of {n} value{'' if n == 1 else 's'}"
+
+
+def _select_outputs(gm: fx.GraphModule, flat: list[Any], mine: list[Any],
+                    other: list[Any]) -> None:
+    """Make ``gm`` (which returns the tensors ``flat``) return exactly ``mine``: its tensors,
+    and Python numbers written as 0-d tensors of the type both branches promote to."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    nodes = list(out.args[0])
+    args = []
+    for v, o in zip(mine, other):
+        if isinstance(v, torch.Tensor):
+            args.append(nodes[next(j for j, t in enumerate(flat) if t is v)])
+            continue
+        dtype = torch.bool if isinstance(v, bool) and isinstance(o, bool) else \
+            torch.int64 if not isinstance(v, float) and not isinstance(o, float) else \
+            torch.get_default_dtype()
+        with gm.graph.inserting_before(out):
+            c = gm.graph.create_node("call_function", torch.full, ((), v), {"dtype": dtype})
+        c.meta["val"] = to_fake(torch.full((), v, dtype=dtype))
+        args.append(c)
+    out.args = (args[0] if len(args) == 1 else tuple(args),)  # one tensor: as torch.cond
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def capture_while_loop(cap: Any, cond_fn: Callable, body_fn: Callable,

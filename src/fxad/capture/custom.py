@@ -167,6 +167,9 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
                            hint="pass the arguments positionally")
     ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and a.requires_grad
                      and (a.is_floating_point() or a.is_complex()) for a in args))
+    # the inputs as they are on entry: a forward that writes into one through ``.data``
+    # (torchdiffeq's _UncheckedAssign) rebinds it, but derivatives go to its history
+    entry = tuple(cap.arg(a, what) if isinstance(a, torch.Tensor) else a for a in args)
     with torch.no_grad():
         if setup_style:
             out = cls.forward(*args)
@@ -263,8 +266,8 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
                             tensor_outputs=tensor_outputs,
                             non_differentiable=non_differentiable, once_differentiable=once,
                             tuple_output=tuple_output)
-    inputs = tuple(a if isinstance(a, torch.Tensor) or _representable(a) else None
-                   for a in args)
+    inputs = tuple(e if isinstance(a, torch.Tensor) or _representable(a) else None
+                   for a, e in zip(args, entry))
     value = tuple(outs) if tuple_output else outs[0]
     node = cap.record("call_function", autograd_function,
                       (name, inputs, value, tuple(kept)), {}, value, what)

@@ -8,10 +8,15 @@ through the current capture session (:func:`fxad.capture.state.current`):
 (:mod:`fxad.capture.custom`), ``torch.cond`` / ``while_loop`` / ``scan`` / ``map`` /
 ``associative_scan`` (:mod:`fxad.capture.control`, also where the traced code imported them
 by name), the Python-level convolution gradients, and the user functions recorded as one
-node (those passed to ``torch.fx.wrap`` and those with a registered rule).
+node (those with a registered rule; a ``torch.fx.wrap``-marked function is traced through),
+the functions whose side effects are recorded (:func:`fxad.capture.effects.effect_patches`:
+seeding, RNG state, ``print``, NumPy's and Python's random draws, ``torch.from_numpy``) and
+``nn.Parameter`` creation (refused inside the program).  After a successful capture it
+announces the Python state the program changed (:mod:`fxad.capture.python_state`).
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import inspect
 from typing import Any, Callable, Iterable, Iterator
@@ -19,13 +24,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn.grad as nn_grad
 import torch.utils.checkpoint as ckpt
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import CaptureError
 from ..graph.factories import CONV_GRADS, FACTORIES
-from ..graph.proxy import describe_target
+from ..graph.proxy import describe_target, user_source_loc
 from ..rules.registry import all_rules
 from .control import control_flow_patches
 from .custom import apply_custom_function, checkpoint_region, patched_checkpoint_generator
+from .effects import (effect_patches, generator_inputs_kept, numpy_state_kept,
+                      warn_unused_draws)
 from .patching import namespace_patches
+from .python_state import announce, snapshot
 from .state import current, has_tensor, switched_to
 
 
@@ -38,8 +48,15 @@ def capture_environment(cap: Any) -> Iterator[None]:
         with switched_to(cap):
             yield
         return
-    with _patches(getattr(cap, "user_globals", ())), switched_to(cap):
+    program = getattr(cap, "program", None)
+    watched = snapshot(program, getattr(cap, "user_globals", [])) if program is not None else []
+    with numpy_state_kept(), generator_inputs_kept(cap), \
+            _patches(getattr(cap, "user_globals", ())), switched_to(cap):
         yield
+    # the capture succeeded: say which Python effects ran only now
+    warn_unused_draws(cap)
+    if program is not None:
+        announce(program, watched)
 
 
 @contextlib.contextmanager
@@ -95,22 +112,53 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
             grads[name] = getattr(cur, "__wrapped__", cur)
             if grads[name] is not cur:
                 patched.append((nn_grad, name, cur, grads[name]))
+    patched.extend(effect_patches())  # seeding, RNG state, print, NumPy draws: recorded
     patched.append((torch.nn.Module, "__call__", orig_call, module_call))
+    orig_param_new = torch.nn.Parameter.__dict__["__new__"]
+
+    def param_new(cls: type, data: Any = None, requires_grad: bool = True) -> Any:
+        active = current()
+        if active is not None and not active.suspended:
+            raise CaptureError(
+                "an nn.Parameter is created inside the traced program (a module with "
+                "parameters of its own, such as nn.Linear, built in forward): its gradient "
+                "would reach nothing", op="nn.Parameter", loc=user_source_loc(),
+                hint="create the module in __init__ and assign it to self (a module with no "
+                     "parameters, such as a loss, may be built in forward)")
+        return orig_param_new(cls, data, requires_grad)
+    patched.append((torch.nn.Parameter, "__new__", orig_param_new, staticmethod(param_new)))
     patched.append((function_cls, "apply", orig_apply, classmethod(apply)))
+    orig_import = builtins.__import__
+
+    def import_(*args: Any, **kwargs: Any) -> Any:
+        # a module imported for the first time inside the program (``from torchdiffeq
+        # import odeint`` in forward) runs its module-level code for real: its constants
+        # (torchdiffeq's Butcher tableaus) must be real tensors, not fake ones kept forever
+        active = current()
+        if active is None or active.suspended:
+            return orig_import(*args, **kwargs)
+        active.suspended += 1
+        try:
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                return orig_import(*args, **kwargs)
+        finally:
+            active.suspended -= 1
+    patched.append((builtins, "__import__", orig_import, import_))
     gen = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
     if gen is not None:
         patched.append((ckpt, "_checkpoint_without_reentrant_generator", gen,
                         patched_checkpoint_generator(gen)))
     for name, orig in grads.items():
         patched.append((nn_grad, name, orig, leaf(orig)))
-    # user functions kept as one node: torch.fx.wrap'd ones and those with a registered rule
+    # user functions kept as one node: those with a registered rule
     globs = [(glob, name, fn) for glob, name, fn in _leaf_functions()]
 
     # the control-flow functions imported by name into the user's modules
     # (``from torch._higher_order_ops.scan import scan``)
     replaced = {id(orig): new for ns, name, orig, new in patched
                 if ns.__class__.__name__ == "module"
-                and name in ("cond", "while_loop", "scan", "map", "associative_scan")}
+                and (name in ("cond", "while_loop", "scan", "map", "associative_scan")
+                     or getattr(new, "__module__", "") == effect_patches.__module__)}
     patched.extend(namespace_patches(user_globals, replaced))
 
     compiler = torch.compiler
@@ -136,23 +184,17 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
 
 
 def _leaf_functions() -> list[tuple[dict, str, Any]]:
-    """(module globals, name, function) of the Python functions to record as single nodes:
-    those passed to ``torch.fx.wrap`` and user functions with a registered derivative rule
-    (:func:`fxad.register_vjp`), patched in the module that defines them."""
+    """(module globals, name, function) of the user functions with a registered derivative
+    rule (:func:`fxad.register_vjp`), patched in the module that defines them, to record as
+    single nodes.  A function passed to ``torch.fx.wrap`` without a rule is traced through
+    like any other code (the mark is for torch.fx's symbolic tracer, which cannot run it on
+    proxies; fxad runs it on fake tensors)."""
     out: list[tuple[dict, str, Any]] = []
     seen: set[tuple[int, str]] = set()
-    try:
-        from torch.fx._symbolic_trace import _wrapped_fns_to_patch
-        for (_, name), glob in list(_wrapped_fns_to_patch.items()):
-            fn = glob.get(name)
-            if inspect.isfunction(fn) and (id(glob), name) not in seen:
-                seen.add((id(glob), name))
-                out.append((glob, name, fn))
-    except ImportError:  # pragma: no cover - other torch versions
-        pass
     for key, rule in all_rules().items():
+        module = getattr(key, "__module__", "") or ""
         if not inspect.isfunction(key) or rule.builtin \
-                or (getattr(key, "__module__", "") or "").startswith("torch"):
+                or module == "torch" or module.startswith("torch."):
             continue
         glob, name = key.__globals__, key.__name__
         if glob.get(name) is key and (id(glob), name) not in seen:

@@ -23,9 +23,12 @@ from ..errors import CaptureError, DataDependentError, InplaceError
 from ..graph.proxy import describe_target, user_source_loc
 from .calls import (DATA_FUNCTIONS, DATA_METHODS, IDUNDER, NOT_INPLACE, VIEW_PROPERTIES,
                     call_body, method_name, node_form, out_of_place_function, takes_callable)
+from .decisions import (current_policy, data_dependent_size, decide, has_examples,
+                        python_sizes, question_of)
+from .effects import formatted
 from .inplace import inplace, setitem
 from .state import has_tensor
-from .values import known_answer, note_known
+from .values import is_data_dependent, known_answer, note_known
 from .views import note_views
 
 _COND_HINT = (
@@ -53,10 +56,20 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
     what = f"Tensor.{method}" if method else describe_target("call_function", func)
     if prop is not None:
         return _property(cap, func, prop, args, kwargs)
+    if method in ("__format__", "__repr__", "__str__"):  # an f-string in the program's code
+        text = formatted(cap, method, args)  # (fxad.capture.effects: re-formatted by print)
+        if text is not None:
+            return text
     if method in DATA_METHODS or func in DATA_FUNCTIONS:
+        question = question_of(func, method)
+        decides = question is not None and current_policy() != "refuse"
+        if decides and has_examples(cap):
+            return decide(cap, func, question, args, kwargs)  # real value, guarded
         known, answer = known_answer(cap, func, args, kwargs)
         if known:
             return answer
+        if decides:
+            return decide(cap, func, question, args, kwargs)  # raises, naming the line
         _data_dependent(cap, method or getattr(func, "__name__", "op"), args)
     if method == "__setitem__":
         return setitem(cap, func, args, kwargs)
@@ -103,9 +116,16 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
         with cap.mode:
             return call_body(func, args, kwargs)
     # -- an ordinary call
+    args, kwargs = python_sizes(cap, func, method, args, kwargs)  # sizes from Python numbers
     versions = [(a, a._version) for a in pytree.tree_leaves((args, kwargs))
                 if isinstance(a, FakeTensor) and id(a) in cap.env]
-    out = cap.compute(func, args, kwargs, what)
+    try:
+        out = cap.compute(func, args, kwargs, what)
+    except DataDependentError as e:
+        if not is_data_dependent(e.__cause__):
+            raise
+        # an output size that depends on data: specialized and guarded, or refused
+        return data_dependent_size(cap, func, method, args, kwargs, what, e.__cause__)
     for a, v in versions:
         if a._version != v:  # an op that writes into a traced tensor, unannounced
             raise InplaceError(
@@ -130,9 +150,12 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
 def _data_dependent(cap: Any, name: str, args: tuple) -> None:
     t = next((a for a in args if isinstance(a, torch.Tensor)), None)
     desc = f"`{cap.node_of(t).name}`" if t is not None and id(t) in cap.env else "a tensor"
+    refused = (" (the build asked for values='refuse'; the default, values='guard', takes "
+               "the decision on the example's value and checks it on every call)"
+               if current_policy() == "refuse" else "")
     if name == "__bool__":
         raise DataDependentError(
-            f"Python control flow depends on the value of tensor {desc}",
+            f"Python control flow depends on the value of tensor {desc}{refused}",
             op="bool(Tensor)", loc=user_source_loc(), hint=_COND_HINT)
     if name == "numpy":  # NumPy code cannot be differentiated: the torch spelling can
         hint = ("write the NumPy computation with torch functions on the tensor itself "
@@ -143,8 +166,8 @@ def _data_dependent(cap: Any, name: str, args: tuple) -> None:
                 "that must stay a number can be passed as an argument of the traced "
                 "function, which fxad specializes on")
     raise DataDependentError(
-        f"{name}() needs the data of {desc}, which is not available while tracing (fxad "
-        "specializes on shapes only)", op=f"Tensor.{name}", loc=user_source_loc(), hint=hint)
+        f"{name}() needs the data of {desc}, which is not available while tracing{refused}",
+        op=f"Tensor.{name}", loc=user_source_loc(), hint=hint)
 
 
 def _property(cap: Any, func: Any, prop: str, args: tuple, kwargs: dict) -> Any:

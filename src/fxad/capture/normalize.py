@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..graph.proxy import compute_meta, take_name
 from ..graph.sizes import known_equal
+from ..originals import torch_function
 
 _METHOD_TO_OPERATOR: dict[str, Callable] = {
     "add": operator.add, "__add__": operator.add, "sub": operator.sub, "__sub__": operator.sub,
@@ -91,10 +92,9 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             return ("call_function", torch.reshape, (args[0], _shape_arg(args[1:])), {})
         if name in ("view_as", "reshape_as"):
             return ("call_function", torch.reshape, (args[0], tuple(_val(args[1]).shape)), {})
-        if name == "permute":
-            return ("call_function", torch.permute, (args[0], _shape_arg(args[1:])), {})
-        if name == "flip":
-            return ("call_function", torch.flip, (args[0], _shape_arg(args[1:])), {})
+        if name in ("permute", "flip"):  # x.flip(0), x.flip([0]) or x.flip(dims=[0])
+            dims = _shape_arg(args[1:]) if "dims" not in kwargs else tuple(kwargs["dims"])
+            return ("call_function", torch_function(name), (args[0], dims), {})
         if name in ("expand", "expand_as"):
             out = tuple(_val(node).shape)
             if name == "expand" and tuple(args[1:]) == (out,) and not kwargs:
@@ -132,7 +132,7 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
             return ("call_function", torch.where, (args[1], args[0]) + rest, kwargs)
         if name in _KEEP_METHODS or name.startswith("_"):
             return None
-        fn = getattr(torch, name, None)
+        fn = torch_function(name)  # PyTorch's own, whatever a library put there since
         if fn is not None and callable(fn) and not isinstance(fn, type):
             return ("call_function", fn, tuple(args), kwargs)
         return None
@@ -145,7 +145,7 @@ def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C
                 return (op, operator.getitem, (args[0], fields.index(args[1])), {})
             if isinstance(v, torch.Tensor) and args[1] in ("real", "imag"):
                 # `z.real` / `z.imag`: the torch functions (views of a complex tensor)
-                return (op, getattr(torch, args[1]), (args[0],), {})
+                return (op, torch_function(args[1]), (args[0],), {})
             return None
         if t in _FUNC_TO_OPERATOR:
             if t in (torch.div, torch.Tensor.div) and kwargs.get("rounding_mode") is not None:

@@ -8,7 +8,10 @@ aliasing bookkeeping of :mod:`fxad.capture.views`, the known values of
 Its own methods turn Python values into node arguments (:meth:`Session.arg`), run an op on
 fake values (:meth:`Session.compute`), record a node (:meth:`Session.record`) and bind the
 op's outputs to it, and route ``nn.Module`` calls (:meth:`Session.call_module`: traced
-through, or one ``call_module`` node for a leaf module).
+through, or one ``call_module`` node for a leaf module; a module built inside the program is
+traced through when it holds no state of its own).  A NumPy array argument is the node of the
+draw that made it, a ``torch.Generator`` argument the program's input it was passed as
+(:mod:`fxad.capture.effects`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, DataDependentError, InplaceError, SourceLoc
 from ..graph.proxy import compute_meta, reference_of, to_fake, user_source_loc
 from ..graph.shapes import OUTPUT_META
+from .effects import is_numpy_array, numpy_node
 from .environment import capture_environment
 from .mode import CaptureMode, handle
 from .state import has_tensor, snapshot, symbolic
@@ -41,10 +45,6 @@ def _hashable(x: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _stateless(m: torch.nn.Module) -> bool:
-    return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
 def _set_loc(node: fx.Node, loc: SourceLoc) -> None:
@@ -212,12 +212,20 @@ class Session:
                  if f.init})
             node.meta["val"] = a
             return node
+        if is_numpy_array(a):  # a NumPy draw the generated code repeats, or refused
+            return numpy_node(self, a, what)
         if isinstance(a, torch.Generator):
+            ph = next((n for n in self.graph.nodes if n.op == "placeholder"
+                       and n.meta.get("fxad_input") and n.meta.get("val") is a), None)
+            if ph is not None:  # an input of the program: the generator passed at call time
+                return ph
             raise CaptureError(
-                f"{what} is called with a torch.Generator, which generated code cannot hold",
-                op=what, loc=user_source_loc(),
-                hint="draw from the default generator (seeded with torch.manual_seed) inside "
-                     "the traced code")
+                f"{what} is called with a torch.Generator created inside the traced program "
+                "or held outside it, which generated code cannot hold", op=what,
+                loc=user_source_loc(),
+                hint="pass the generator in as an argument of the traced function, or draw "
+                     "from the default generator (seeded with torch.manual_seed) inside the "
+                     "traced code")
         raise CaptureError(f"{what} is called with an argument of type {type(a).__name__}, "
                            "which a graph cannot hold", op=what, loc=user_source_loc(),
                            hint="pass tensors, numbers, strings, dtypes or devices to torch "
@@ -330,13 +338,16 @@ class Session:
             return call(mod, *args, **kwargs)
         path = self.module_paths.get(id(mod))
         if path is None:
-            if _stateless(mod) and not isinstance(mod, self.leaf_types):
+            if self._program_data(mod) and not isinstance(mod, self.leaf_types):
+                # no state of its own (a loss module built in forward, whose buffer the
+                # program computed: BCEWithLogitsLoss(pos_weight=torch.tensor(5.0)); a wrapper
+                # around a submodule): its forward is code like any other
                 return call(mod, *args, **kwargs)
             if not self.function_root:
                 raise CaptureError(
                     f"the {type(mod).__name__} module called here is not a submodule of the "
-                    "traced module (it was created inside the traced code or belongs to "
-                    "another object), so its parameters cannot be addressed",
+                    "traced module (it belongs to another object, or holds tensors fxad did "
+                    "not see created), so its parameters and buffers cannot be addressed",
                     op=type(mod).__name__, loc=user_source_loc(),
                     hint="create it in __init__ and assign it to self (or call the matching "
                          "torch.nn.functional function)")
@@ -365,6 +376,14 @@ class Session:
             return call(mod, *args, **kwargs)
         finally:
             self.module_stack.pop(path, None)
+
+    def _program_data(self, mod: torch.nn.Module) -> bool:
+        """``mod`` (not addressable on the root: built inside the traced code) holds no state
+        of its own: each parameter is one the root already holds (a wrapper around one of
+        its submodules, such as torchdiffeq's ``_PerturbFunc``), each buffer one of those or
+        a tensor the traced program computed."""
+        return all(id(p) in self.attr_paths for p in mod.parameters()) \
+            and all(id(b) in self.env or id(b) in self.attr_paths for b in mod.buffers())
 
     # -- nested captures ----------------------------------------------------------------------
     def subcapture(self) -> "Session":

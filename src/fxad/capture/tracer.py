@@ -25,7 +25,13 @@ Policies:
 * ``torch.nn`` modules are traced *through* (their hooks run) down to torch calls, so their
   derivative rules are the functional ones (``F.linear``, ``F.layer_norm``...).  Modules whose
   class is in ``leaf_modules`` stay ``call_module`` nodes and need a rule registered for
-  their class (:func:`fxad.register_vjp`).
+  their class (:func:`fxad.register_vjp`).  A module built inside the program with no state
+  of its own (a loss module; a wrapper around a submodule) is traced the same way; creating
+  an ``nn.Parameter`` inside the program is refused, naming the line.
+* Python functions are traced through, ``torch.fx.wrap``-marked ones included, unless a
+  derivative rule is registered for them.  A torch function a library replaced in the
+  ``torch`` namespace (PyG's ``torch.index_select``) is Python like any other: traced down
+  to PyTorch's own op, which is what op names resolve to (:mod:`fxad.originals`).
 * Parameters, buffers and tensor attributes of the traced module become ``get_attr`` nodes
   named after their path (``l1.weight`` → ``l1_weight``), created where first used.  A
   function's closure modules are attached to the graph's own root (their parameters are
@@ -36,11 +42,27 @@ Policies:
   carry no derivative, as in autograd.
 * Non-tensor inputs (ints, floats, bools, None, strings) are specialized: the graph keeps a
   placeholder for them so the call signature is unchanged, but the traced code used the
-  example value.
+  example value.  A ``torch.Generator`` input stays an input: the code draws from the one
+  passed at call time.
+* Side effects (:mod:`~fxad.capture.effects`): ``torch.manual_seed``, the RNG state and
+  ``fork_rng``, ``print`` and NumPy's global random draws become lines of the generated code
+  (nodes marked ``fxad_side_effect``), in the program's order; an array computed by NumPy
+  from a draw is refused.  Other Python state the program changes (globals, outer
+  containers, module attributes) gets a ``UserWarning`` naming the line
+  (:mod:`~fxad.capture.python_state`).
+* Keyword arguments (a :class:`KeywordCall`) are inputs like positional ones: placeholders
+  after the positional ones, named by their keyword; the program is called with them as
+  keywords.
 * Metadata queries (``x.size(0)``, ``x.dim()``, ``torch.is_floating_point(x)``) are answered
-  from the fake tensor and not recorded; anything that needs tensor *data* (``bool(x)``,
-  ``x.item()``, ``x.tolist()``, ``torch.equal``) raises :class:`~fxad.errors.DataDependentError`
-  naming the user's line.
+  from the fake tensor and not recorded.  A question about tensor *data* (``bool(x)`` of an
+  ``if`` or ``assert``, ``x.item()``, ``int(x)``, ``x.tolist()``, ``torch.equal``) is answered
+  with the real value, computed from the example inputs by running only the recorded graph's
+  ancestors of ``x``; the generated code re-checks it on every call with a guard line that
+  raises :class:`~fxad.errors.ValueGuardError` naming the user's line
+  (:mod:`~fxad.capture.decisions`).  Data-dependent output sizes (``x[mask]``, ``nonzero``)
+  are specialized the same way only with ``values="guard+sizes"``; ``values="refuse"``, a
+  value computed from a random draw, ``numpy()`` and decisions inside ``torch.cond`` bodies
+  raise :class:`~fxad.errors.DataDependentError` naming the user's line.
 * Tensor constructors (``torch.zeros(n)``, ``torch.arange(T)``, ``torch.tensor([...])``) are
   recorded as graph nodes rather than baked in as constants.
 * Values capture can know: small integer CPU tensors (inputs, constants, ``torch.tensor`` of
@@ -58,7 +80,8 @@ Policies:
 
 Node meta keys written by capture: ``val`` and ``fxad_loc`` (see :mod:`fxad.graph.proxy`),
 ``fxad_input`` (placeholders of the program's inputs), ``fxad_side_effect`` (a buffer update
-such as BatchNorm's ``num_batches_tracked.add_(1)``, kept as an in-place call),
+such as BatchNorm's ``num_batches_tracked.add_(1)``, kept as an in-place call; a seeding, a
+print, a NumPy draw: :mod:`~fxad.capture.effects`),
 ``fxad_no_grad`` (computed with gradients disabled), ``fxad_value`` (a known value, above),
 ``fxad_inplace`` (the user's in-place statement a functional node stands for),
 ``fxad_checkpoint`` (the ``torch.utils.checkpoint`` region), ``fxad_custom_function`` (a
@@ -77,10 +100,14 @@ Modules (each imports only those listed before it, and fxad's lower layers)
 * :mod:`~fxad.capture.views`: aliasing; writes through views made functional, views
   rebuilt after their storage changed.
 * :mod:`~fxad.capture.values`: the known values, and the inputs they guard.
+* :mod:`~fxad.capture.decisions`: decisions on tensor values taken on the real example
+  value, and their guards.
 * :mod:`~fxad.capture.inplace`: in-place operations and ``x[i] = v``, recorded out of place.
 * :mod:`~fxad.capture.mode`: the TorchFunctionMode and the dispatch of each torch call.
 * :mod:`~fxad.capture.control` and :mod:`~fxad.capture.custom`: ``torch.cond`` & co., custom
   ``autograd.Function``\\ s and checkpoint regions, each captured in a nested session.
+* :mod:`~fxad.capture.effects` and :mod:`~fxad.capture.python_state`: side effects
+  recorded as nodes, and Python state changes announced.
 * :mod:`~fxad.capture.environment`: what is patched while capturing (module calls, control
   flow, custom Functions, checkpoint, leaf functions, ``is_compiling``).
 * :mod:`~fxad.capture.session`: :class:`~fxad.capture.session.Session`, the state of one
@@ -101,24 +128,90 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..errors import InputError, SourceLoc
+from ..errors import DataDependentError, InputError, SourceLoc
 from ..graph.proxy import compute_meta, fake_mode, to_fake
+from .autograph import MAX_RESTARTS, RestartCapture, attached_graphs, patched
+from .decisions import note_example
 from .module_state import module_state, restore_module_state, warn_rebound
+from .outputs import OUTPUT_SPEC, output_spec
 from .patching import user_globals
 from .session import Session
 from .state import capturing, has_tensor, symbolic_shapes
 from .values import KNOWN_NUMEL
 
-__all__ = ["capture", "capturing", "symbolic_shapes", "argument_names"]
+__all__ = ["capture", "capturing", "symbolic_shapes", "argument_names", "KeywordCall"]
+
+
+class KeywordCall:
+    """``f`` called with keyword arguments: the last ``len(keywords)`` example inputs given to
+    :func:`capture` are passed to ``f`` as ``keyword=value``.  They become placeholders after
+    the positional ones, named by their keyword (``def forward(self, x, mask)``): tensors are
+    inputs like positional ones, Python values are specialized (and guarded by the generated
+    module, :mod:`fxad.guards`).
+
+    Attributes:
+        f: the function or ``nn.Module`` called.
+        keywords: the keyword names, in the order of the trailing example inputs.
+        differentiable: whether the keyword inputs may be differentiated (``fxad.compile``:
+            as eager autograd does) or, as in ``torch.func.grad``, not (the public
+            derivatives: ``argnums`` index the positional inputs and the input gradients are
+            theirs).
+    """
+
+    def __init__(self, f: Callable | torch.nn.Module, keywords: Sequence[str],
+                 differentiable: bool = False) -> None:
+        self.f = f
+        self.keywords = tuple(keywords)
+        self.differentiable = differentiable
+        self.__name__ = getattr(f, "__name__", type(f).__name__)
+
+    def __repr__(self) -> str:
+        return f"KeywordCall({self.__name__}, keywords={self.keywords})"
+
+
+def _check_keywords(params: list[inspect.Parameter], n: int, keywords: Sequence[str],
+                    fn: Any, what: str) -> None:
+    """Raise :class:`InputError` naming ``fn``'s def line when ``fn`` cannot take
+    ``keywords`` after ``n`` positional arguments (an unknown keyword, or one that the
+    positional arguments already bind)."""
+    by_name = {p.name: p for p in params}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n]
+    for k in keywords:
+        p = by_name.get(k)
+        if k in positional:
+            why = f"argument `{k}` is given both as positional input #{positional.index(k)} " \
+                  "and as a keyword"
+        elif p is None and not takes_any:
+            why = f"{what} takes no keyword argument `{k}`"
+        elif p is not None and p.kind is p.POSITIONAL_ONLY:
+            why = f"argument `{k}` of {what} is positional-only"
+        else:
+            continue
+        hint = f"pass the keyword arguments {what} takes, as you would call it"
+        if k in ("has_aux", "argnums", "dynamic", "values"):  # an option of another builder
+            hint += f" (`{k}=` is not an option of this fxad function; see its signature)"
+        raise InputError(why, loc=_def_loc(fn), hint=hint)
+
+
+def _def_loc(fn: Any) -> SourceLoc | None:
+    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+    return None if code is None else SourceLoc(
+        code.co_filename, code.co_firstlineno, code.co_name,
+        linecache.getline(code.co_filename, code.co_firstlineno).strip())
 
 
 def argument_names(f: Callable | torch.nn.Module, n: int) -> list[str]:
-    """The names :func:`capture` gives the ``n`` positional inputs of ``f`` (its parameter
-    names; ``args_<k>`` for a ``*args``).
+    """The names :func:`capture` gives the ``n`` inputs of ``f`` (its parameter names;
+    ``args_<k>`` for a ``*args``; for a :class:`KeywordCall`, the keywords last).
 
     Raises:
         InputError: ``f`` takes fewer than ``n`` positional arguments.
     """
+    if isinstance(f, KeywordCall):
+        k = len(f.keywords)
+        return argument_names(f.f, n - k) + list(f.keywords)
     if isinstance(f, fx.GraphModule) and "fxad_input_spec" in f.meta:
         return list(f.meta["fxad_input_spec"].names[:n])
     if callable(f) and not inspect.isfunction(f) and not isinstance(f, torch.nn.Module):
@@ -144,10 +237,7 @@ def _input_names(params: list[inspect.Parameter], n: int, fn: Any = None,
         if len(names) == n:
             break
     if len(names) < n:  # named at the user's def line, with the arguments it does take
-        code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
-        loc = None if code is None else SourceLoc(
-            code.co_filename, code.co_firstlineno, code.co_name,
-            linecache.getline(code.co_filename, code.co_firstlineno).strip())
+        loc = _def_loc(fn)
         raise InputError(
             f"{n} example inputs given but {what} takes {len(names)} positional "
             f"argument{'' if len(names) == 1 else 's'} ({', '.join(names) or 'none'})",
@@ -180,6 +270,7 @@ def _inputs(cap: Session, names: list[str], examples: Sequence[Any]) -> list[Any
         ph = cap.graph.placeholder(name)
         ph.meta["val"] = to_fake(example)
         ph.meta["fxad_input"] = True
+        note_example(cap, ph, example)  # decisions on tensor values are taken on it
         if isinstance(example, torch.Tensor):
             v = _program_value(example)
             cap.track(v, ph)
@@ -225,8 +316,13 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
             leaf_modules: Iterable[type] = ()) -> fx.GraphModule:
     """Trace ``f`` on ``example_inputs`` into a torch-level GraphModule (not yet normalized).
 
+    A Python ``if`` on a random draw (LayerDrop) makes capture start again with the
+    function that decides rewritten, its ``if`` recorded as ``torch.cond``
+    (:mod:`fxad.capture.autograph`; at most ``MAX_RESTARTS`` times).
+
     Args:
-        f: a function of tensors (pytrees allowed) or an ``nn.Module``.
+        f: a function of tensors (pytrees allowed) or an ``nn.Module``; a
+            :class:`KeywordCall` passes the trailing example inputs as keyword arguments.
         example_inputs: positional example inputs; tensors give shapes/dtypes only.
         leaf_modules: module classes kept as ``call_module`` nodes.
 
@@ -236,12 +332,36 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
 
     Raises:
         CaptureError: an op fails on the example shapes, data-dependent control flow, etc.
+        InputError: ``f`` does not take the keyword arguments of a :class:`KeywordCall`.
     """
-    if isinstance(f, fx.GraphModule) and all("val" in n.meta for n in f.graph.nodes
-                                            if n.op not in ("placeholder", "output")):
+    patches: list[Any] = []
+    attached = attached_graphs(f)
+    for _ in range(MAX_RESTARTS + 1):
+        try:
+            with patched(patches):
+                return _capture_once(f, example_inputs, leaf_modules)
+        except RestartCapture as restart:
+            patches.extend(restart.patches)
+            attached()  # the branch graphs the abandoned capture attached are dropped
+    raise DataDependentError(
+        f"capture restarted {MAX_RESTARTS} times to rewrite functions whose `if` decides on "
+        "a random draw, and still meets another", op="if", loc=None,
+        hint="write the remaining random decisions with torch.cond")
+
+
+def _capture_once(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
+                  leaf_modules: Iterable[type]) -> fx.GraphModule:
+    keywords: tuple[str, ...] = ()
+    if isinstance(f, KeywordCall):
+        keywords, f = f.keywords, f.f
+        if not keywords:
+            return capture(f, example_inputs, leaf_modules=leaf_modules)
+    if not keywords and isinstance(f, fx.GraphModule) and all(
+            "val" in n.meta for n in f.graph.nodes if n.op not in ("placeholder", "output")):
         return _recapture_graphmodule(f, example_inputs)
+    n_pos = len(example_inputs) - len(keywords)
     if callable(f) and not inspect.isfunction(f) and not isinstance(f, torch.nn.Module):
-        f = _as_function(f, len(example_inputs))
+        f = _as_function(f, n_pos, keywords)
     if isinstance(f, torch.nn.Module):
         root: torch.nn.Module = f
         name = type(f).__name__
@@ -255,14 +375,20 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
         raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
     cap = Session(root, not isinstance(f, torch.nn.Module), tuple(leaf_modules))
     cap.user_globals = user_globals(f)
-    names = _input_names(params, len(example_inputs), fn if isinstance(f, torch.nn.Module)
-                         else f, f"{name}.forward" if isinstance(f, torch.nn.Module) else name)
-    values = _inputs(cap, names, example_inputs)
+    cap.program = f  # its Python state is compared after capture (capture.python_state)
+    user_fn = fn if isinstance(f, torch.nn.Module) else f
+    what = f"{name}.forward" if isinstance(f, torch.nn.Module) else name
+    names = _input_names(params, n_pos, user_fn, what)
+    if keywords:
+        _check_keywords(params, n_pos, keywords, user_fn, what)
+    values = _inputs(cap, names + list(keywords), example_inputs)
+    args, kwargs = values[:n_pos], dict(zip(keywords, values[n_pos:]))
     state = module_state(root)
     try:
         with _quiet_meta_log(), cap.environment(), fake_mode(), torch.enable_grad(), cap.mode:
-            result = f(*values)
+            result = f(*args, **kwargs)
         out_args = cap.arg(result, "return")
+        out_spec = output_spec(result, out_args)  # the output's containers (capture.outputs)
     finally:
         rebound = restore_module_state(state)
     warn_rebound(cap, rebound)
@@ -285,6 +411,7 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
         if not isinstance(k, int) and k[1] in cap.const_objs]
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
+    gm.meta[OUTPUT_SPEC] = out_spec
     return gm
 
 
@@ -302,12 +429,12 @@ def _quiet_meta_log() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _as_function(method: Any, n: int) -> Callable:
+def _as_function(method: Any, n: int, keywords: Sequence[str] = ()) -> Callable:
     """A bound method (``model.logits``), a builtin (``torch.sin``) or another callable as a
     function of its arguments; a module it is bound to is reached through the closure, its
     parameters constants of the function."""
-    def bound(*args: Any) -> Any:
-        return method(*args)
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
 
     try:
         sig = inspect.signature(method)
@@ -316,7 +443,8 @@ def _as_function(method: Any, n: int) -> Callable:
             raise ValueError
     except (TypeError, ValueError):  # builtins often have no usable signature
         sig = inspect.Signature([inspect.Parameter(
-            "x" if n == 1 else f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(n)])
+            "x" if n == 1 else f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(n)]
+            + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in keywords])
     bound.__signature__ = sig  # type: ignore[attr-defined]
     bound.__name__ = getattr(method, "__name__", "f")
     return bound
@@ -336,7 +464,9 @@ def _recapture_graphmodule(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
         if n.op == "placeholder":
             new.meta["val"] = to_fake(next(it))
             new.meta["fxad_input"] = True
-        elif n.op != "output":
+        elif n.op != "output" and not (n.meta.get("fxad_side_effect")
+                                       and n.op == "call_function"):
+            # (an effect, such as a print or a seeding, is not run again: it keeps its value)
             new.meta["val"] = compute_meta(gm, n.op, n.target, new.args, new.kwargs)
         env[n] = new
     out = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)

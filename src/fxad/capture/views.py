@@ -173,11 +173,19 @@ def _scatter(cap: Any, step: tuple, par_node: fx.Node, new: fx.Node, par: Any, c
     kw = cap.arg(dict(kwargs), what)
     pshape = tuple(par.shape)
     if name == "detach" or (name == "data" and item is None):
-        # a detached alias: the write shows in the base's value, but, as in autograd,
-        # no derivative flows through it (the base keeps its own history)
-        delta = cap.emit("call_function", operator.sub, (new, par_node))
-        delta = cap.emit("call_method", "detach", (delta,))
-        return cap.emit("call_function", operator.add, (par_node, delta))
+        # a detached alias: the base now holds exactly the alias's values, but, as in
+        # autograd, no derivative flows through the write (the base keeps its own history).
+        # Not ``par + (new - par).detach()``: rounding (and NaN where the base held
+        # torch.empty's garbage or inf) would change the values eager computes
+        value = cap.emit("call_method", "detach", (new,))
+        if not par.requires_grad:  # no history to keep
+            return value
+        # value + (par - par.detach()): exact where par is finite; derivative 1 to par
+        history = cap.emit("call_function", operator.sub,
+                           (par_node, cap.emit("call_method", "detach", (par_node,))))
+        finite = cap.emit("call_function", torch.isfinite, (par_node,))
+        history = cap.emit("call_function", torch.where, (finite, history, 0.0))
+        return cap.emit("call_function", operator.add, (value, history))
     if name in ("alias", "view_as") and tuple(child.shape) == pshape \
             or name in ("contiguous",):
         return new

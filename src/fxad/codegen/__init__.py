@@ -12,7 +12,11 @@ is added to the rest, ``d_<primal>_part``) and the items of multi-output ops
 * a multi-output call as one tuple-unpacking statement,
   ``layer_norm, mean, rstd = torch.native_layer_norm(...)``, and a fused forward kernel whose
   extra outputs nothing reads as the function the user called (:mod:`fxad.codegen.unpack`);
-* no argument equal to the op's default (:mod:`fxad.codegen.defaults`).
+* no argument equal to the op's default (:mod:`fxad.codegen.defaults`);
+* a side effect whose result nothing reads as the bare call (``torch.manual_seed(123)``,
+  ``print('y', y)``), torch's RNG functions by their ``torch.`` names, and NumPy's replayed
+  draws as ``numpy.random.rand(4, 3)`` (``numpy`` is a torch.fx custom builtin: saved code
+  imports it).
 
 Only the printing changes (the graph keeps its nodes and arguments), and the printed code is
 the code that runs: :func:`install` sets up the graph's code generation before its
@@ -31,6 +35,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+try:
+    import numpy
+    import numpy.random as np_random
+except ImportError:  # pragma: no cover - torch without NumPy
+    numpy = np_random = None  # type: ignore[assignment]
+
 from ..simplify._util import is_random, resolve
 from .defaults import printed_arguments
 from .names import AUTO_NAME, name_outputs
@@ -41,6 +51,11 @@ _PRIVATE_NN = re.compile(r"\btorch\._C\._nn\.(\w+)\b")
 _PRIVATE_VAR = re.compile(r"\btorch\._C\._VariableFunctions\.(\w+)\b")
 # torch.fft.rfft is the binding torch._C._fft.fft_rfft (likewise linalg, special)
 _PRIVATE_NS = re.compile(r"\btorch\._C\._(fft|linalg|special)\.(?:fft|linalg|special)_(\w+)\b")
+# NumPy's draws replayed in the code (fxad.capture.effects): FX names the function
+# numpy_random_rand; printed numpy.random.rand, with numpy imported by the code
+_NUMPY_RANDOM = re.compile(r"\bnumpy_random_(\w+)\(")
+# torch.manual_seed & co. live in torch.random; the torch namespace holds the same functions
+_TORCH_RANDOM = re.compile(r"\btorch\.random\.(manual_seed|get_rng_state|set_rng_state|seed)\(")
 
 
 def _public_ns(m: re.Match) -> str:
@@ -57,8 +72,17 @@ def _public_name(m: re.Match) -> str:
     return m.group(0)
 
 
+def _numpy_random(m: re.Match) -> str:
+    name = m.group(1)
+    if np_random is not None and hasattr(np_random, name):
+        return f"numpy.random.{name}("
+    return m.group(0)
+
+
 def public_spelling(line: str) -> str:
     """Rewrite private module paths of public functions in one line of generated code."""
+    line = _NUMPY_RANDOM.sub(_numpy_random, line)
+    line = _TORCH_RANDOM.sub(r"torch.\1(", line)
     line = _PRIVATE_NN.sub(_public_name, line)
     line = _PRIVATE_VAR.sub(lambda m: f"torch.{m.group(1)}", line)
     line = _PRIVATE_NS.sub(_public_ns, line)
@@ -111,6 +135,9 @@ class BodyTransformer:
                 stmt_of[node.name] = stmt_of.get(absorbed[node].name, "")
                 out.append(f"# COUNTER: {idx}\n")
                 continue
+            if node is not None and node.meta.get("fxad_side_effect") and not node.users \
+                    and node.op == "call_function" and node.meta.get("val") is None:
+                entries = _bare_call(entries)  # print(...), torch.manual_seed(...): no name
             if node is not None:
                 stmt = _statement(entries)
                 stmt_of[node.name] = stmt
@@ -198,6 +225,18 @@ _ASSIGN = re.compile(r"(?P<ind>[ \t]*)(?P<lhs>\w+) = (?P<rhs>.*?)"
                      r"(?:;  (?P<dels>(?:\w+ = )+)None)?\n?", re.S)
 _ITEM_LINE = re.compile(r"(?P<ind>[ \t]*)(?P<lhs>\w+) = (?P<src>\w+)\[(?P<idx>\d+)\]"
                         r"(?:;  (?P<dels>(?:\w+ = )+)None)?\n?")
+
+
+def _bare_call(entries: list[str]) -> list[str]:
+    """``print_1 = print(y);  print_1 = y = None`` → ``print(y);  y = None``: an effect whose
+    result nothing reads, printed as the plain call."""
+    comments = [e for e in entries if e.lstrip().startswith("#")]
+    m = _ASSIGN.fullmatch("".join(e for e in entries if not e.lstrip().startswith("#")))
+    if m is None:
+        return entries
+    dels = [d for d in _deleted(m) if d != m.group("lhs")]
+    tail = f";  {' = '.join(dels)} = None" if dels else ""
+    return comments + [f"{m.group('ind')}{m.group('rhs')}{tail}\n"]
 
 
 def _deleted(m: re.Match) -> list[str]:
@@ -382,3 +421,17 @@ def shape_note(node: fx.Node) -> str:
 _DT = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
        torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8",
        torch.int8: "i8", torch.complex64: "c64", torch.complex128: "c128"}
+
+
+def _register_numpy() -> None:
+    """``numpy`` importable by generated code that replays NumPy's draws (saved code
+    imports it: ``import numpy``)."""
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - very old torch
+        return
+    if numpy is not None:
+        _register_custom_builtin("numpy", "import numpy", numpy)
+
+
+_register_numpy()

@@ -106,7 +106,7 @@ def _floating_like(v: Any) -> Any:
     return None
 
 
-def _cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
+def _cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple, rng: Any = None) -> Any:
     """fxad.ops.cond: the true branch's result (both branches have the same shapes)."""
     return true_fn(*operands)
 

@@ -148,6 +148,7 @@ import torch.nn.functional as F
 
 from ..errors import MissingRuleError, RuleError, SourceLoc
 from ..naming import describe_target
+from ..originals import original
 
 KINDS = ("elementwise", "view", "random", "uninitialized", "other")
 """The op kinds (see the module docstring)."""
@@ -322,7 +323,7 @@ def op_name(op: Any) -> str:
 def record(op: Any) -> OpRecord | None:
     """The record of ``op`` (a registry key), or None."""
     try:
-        return _RECORDS.get(op)
+        return _RECORDS.get(original(op))  # a library's replacement: torch's own record
     except TypeError:  # unhashable target
         return None
 
@@ -341,6 +342,7 @@ def declare(op: Any, *, kind: str | None = None, complex: str | None = None,
             draws: Callable[[tuple, dict], bool] | None = None,
             outputs: tuple[Any, ...] | None = None) -> OpRecord:
     """Set facts of ``op``'s record (created if needed); returns the record."""
+    op = original(op)
     rec = record(op) or OpRecord(op)
     changes: dict[str, Any] = {}
     if outputs is not None:
@@ -406,6 +408,8 @@ def is_random_call(node: fx.Node) -> bool:
     """Whether the call ``node`` draws random numbers or reads uninitialized memory (kind
     ``"random"`` — where the op draws only in some calls, this one draws — or
     ``"uninitialized"``)."""
+    if node.meta.get("fxad_draws_random"):  # control flow whose branches draw
+        return True
     rec = record_of(node) if node.op in ("call_function", "call_method") else None
     if rec is None or rec.kind not in ("random", "uninitialized"):
         return False
@@ -457,6 +461,7 @@ def _install(op: Any, fwd: Callable, bwd: Callable, *, jvp: Callable | None = No
     ``replace``) or a malformed declaration."""
     if op is None:
         raise RuleError("cannot register a rule for None")
+    op = original(op)  # keyed by PyTorch's own function, whatever a library put in torch
     residuals = check_residuals(op, residuals)
     if recompute is not None and not isinstance(recompute, bool):
         raise RuleError(f"rule for {op_name(op)}: recompute must be True, False or None")
@@ -688,6 +693,12 @@ def _draws_windows(args: tuple, kwargs: dict) -> bool:
     return _arg(args, kwargs, "_random_samples", 5, None) is None
 
 
+def _draws_attention(args: tuple, kwargs: dict) -> bool:
+    """Scaled dot-product attention draws a dropout mask of its probabilities when
+    ``dropout_p`` (position 4) is not 0."""
+    return bool(_arg(args, kwargs, "dropout_p", 4, 0.0))
+
+
 def _declare_initial_kinds() -> None:
     for kind, names in (("elementwise", _ELEMENTWISE), ("view", _VIEW),
                         ("random", _RANDOM_METHODS)):
@@ -709,6 +720,7 @@ def _declare_initial_kinds() -> None:
         declare(fn, kind="random", draws=_draws_in_training(flag, default))
     for fn in (F.rrelu, torch.rrelu):
         declare(fn, kind="random", draws=_draws_in_training("training", False, needs_p=False))
+    declare(F.scaled_dot_product_attention, kind="random", draws=_draws_attention)
     for fn in (F.fractional_max_pool2d, F.fractional_max_pool3d,
                F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices):
         declare(fn, kind="random", draws=_draws_windows)

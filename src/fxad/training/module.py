@@ -2,6 +2,7 @@
 forward and backward graphs in an ordinary training loop.  See :mod:`fxad.training`."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -11,7 +12,11 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from .. import distributed as _dist
-from ..errors import InputError
+from ..capture.decisions import check_policy, value_policy
+from ..capture.outputs import OUTPUT_SPEC, restore_output
+from ..capture.tracer import KeywordCall
+from ..errors import InputError, ValueGuardError
+from ..guards import expect
 from ..residuals import Checkpoint, Partition, Policy, partition, split_backward
 from ..simplify.calls import cast_methods
 from ..simplify.inplace import accumulate_in_place
@@ -19,7 +24,11 @@ from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
 from .capture import _onednn_enabled, _vjp_graph, autocast_state
 from .edited import EditedModule
 
-__all__ = ["compile", "FxadModule", "Build"]
+__all__ = ["compile", "FxadModule", "Build", "VALUE_BUILDS_WARN"]
+
+# builds for one input signature (each for other values of the program's decisions on tensor
+# values) past which fxad.compile warns: the decision changes from call to call
+VALUE_BUILDS_WARN = 8
 
 
 @dataclass(frozen=True)
@@ -31,8 +40,9 @@ class Build:
         shapes: the input shapes it was built at (``None`` for a non-tensor input).
         reason: why it was built: the first call; sizes changed (the changed dimensions are
             made symbolic, as ``torch.compile``'s automatic dynamic shapes do); a symbolic
-            build's guard failed; or a new dtype, device, structure, Python value, training
-            flags or autocast state.
+            build's guard failed; a decision on a tensor value came out differently (the
+            reason names the line, :mod:`fxad.capture.decisions`); or a new dtype, device,
+            structure, Python value, training flags or autocast state.
         symbols: the symbolic sizes of the build and the input dimensions that carry them
             (empty for a build on the example shapes).
     """
@@ -49,8 +59,9 @@ class FxadModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, *, policy: str | Policy | None = "save",
                  leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
                  checkpoint: Checkpoint | bool | None = None,
-                 grad_release: str | int | None = None) -> None:
+                 grad_release: str | int | None = None, values: str = "guard") -> None:
         super().__init__()
+        self.values = check_policy(values)
         if not (grad_release is None or grad_release == "end"
                 or (isinstance(grad_release, int) and not isinstance(grad_release, bool)
                     and grad_release >= 0)):
@@ -73,6 +84,11 @@ class FxadModule(torch.nn.Module):
         self._fsdp: Any = None  # FSDPDriver, found on the first call
         self._fsdp_checked = False
         self.stage_log: list | None = None  # set to a list to record the backward stages
+        # builds for other values of the decisions on tensor values, per signature (newest
+        # first), and whether a plan's forward graph has value guards
+        self._value_plans: dict[Any, list[_Plan]] = {}
+        self._guarded: dict[int, bool] = {}
+        self._warned: set[Any] = set()
 
     # ------------------------------------------------------------------ capture
     def _modules_and_params(self) -> tuple[list, list]:
@@ -110,7 +126,7 @@ class FxadModule(torch.nn.Module):
         mods, prefs = self._modules_and_params()
         modes = tuple(m.training for m in mods)
         trainable = tuple(q.requires_grad for _, _, q in prefs)
-        return tuple(sig), modes, trainable, autocast_state()
+        return tuple(sig), modes, trainable, autocast_state(), self._keywords
 
     def _shape_free(self, key: Any) -> Any:
         """The signature with every tensor shape replaced by its rank."""
@@ -161,8 +177,9 @@ class FxadModule(torch.nn.Module):
             return None, _dist.DDP_STAGE_BYTES
         return None
 
-    def plan(self, *inputs: Any) -> _Plan:
+    def plan(self, *inputs: Any, **kwargs: Any) -> _Plan:
         """The captured plan for ``inputs`` (capturing it on first use)."""
+        inputs = self._flat(inputs, kwargs)
         drv = self._driver()
         if drv is not None and not self._in_step:
             with drv.unsharded():
@@ -219,13 +236,15 @@ class FxadModule(torch.nn.Module):
         layout: bool | str = self.channels_last
         if layout is None:  # where the cast copies the weight anyway: see the module doc
             layout = "casts" if _onednn_enabled() else False
-        g = _vjp_graph(self.module, inputs, argnums, self.leaf_modules, layout,
-                       dynamic_shapes=dynamic_shapes)
+        with value_policy(self.values):
+            g = _vjp_graph(self._callee(), inputs, argnums, self.leaf_modules, layout,
+                           dynamic_shapes=dynamic_shapes)
         part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
         accumulate_in_place(part.bwd_gm)  # run once, never transformed again
         cast_methods(part.fwd_gm)
         cast_methods(part.bwd_gm)
         p = _Plan(part, len(inputs), g)
+        p.dynamic_shapes = dynamic_shapes  # a rebuild for other values keeps them
         how = self._stage_units(p)
         if how is not None:
             p.set_staged(split_backward(part, *how))
@@ -271,9 +290,26 @@ class FxadModule(torch.nn.Module):
         return next(reversed(self._plans.values()))
 
     # ------------------------------------------------------------------ call
-    def forward(self, *inputs: Any) -> Any:
+    # keyword arguments of the current call: the inputs are the positional ones followed by
+    # the keyword values, and the module is called with them as keywords (KeywordCall)
+    _keywords: tuple[str, ...] = ()
+
+    def _flat(self, inputs: tuple, kwargs: dict) -> tuple:
+        self._keywords = tuple(kwargs)
+        return inputs + tuple(kwargs.values())
+
+    def _callee(self) -> Any:
+        return KeywordCall(self.module, self._keywords, differentiable=True) \
+            if self._keywords else self.module
+
+    def _call_module(self, inputs: tuple) -> Any:
+        n = len(inputs) - len(self._keywords)
+        return self.module(*inputs[:n], **dict(zip(self._keywords, inputs[n:])))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self.module(*inputs)
+            return self.module(*inputs, **kwargs)
+        inputs = self._flat(inputs, kwargs)
         drv = self._driver()
         if drv is None:
             return self._step(inputs)
@@ -290,10 +326,87 @@ class FxadModule(torch.nn.Module):
 
     def _step(self, inputs: tuple) -> Any:
         plan = self._plan(inputs)
+        if not self._has_guards(plan):
+            return self._run(plan, inputs)
+        tried: list[_Plan] = []
+        fresh = False
+        while True:
+            saved = self._save_state()
+            try:
+                out = self._run(plan, inputs)
+            except ValueGuardError as miss:
+                self._restore_state(saved)  # undo the buffer updates and draws made so far
+                if fresh:  # the build made for these very inputs disagrees with them
+                    raise
+                tried.append(plan)
+                plan, fresh = self._other_plan(inputs, tried, miss)
+                continue
+            key = self._signature(inputs)
+            if self._plans.get(key) is not plan:
+                self._plans[key] = plan  # the build these values use, tried first next time
+            return out
+
+    def _has_guards(self, plan: _Plan) -> bool:
+        """Whether ``plan``'s forward graph checks decisions on tensor values."""
+        got = self._guarded.get(id(plan))
+        if got is None:
+            got = any(n.op == "call_function" and n.target is expect
+                      for n in plan.part.fwd_gm.graph.nodes)
+            self._guarded[id(plan)] = got
+        return got
+
+    def _save_state(self) -> tuple:
+        """The buffers and random generators, restored when a value guard fails midway."""
+        bufs = [(b, b.detach().clone()) for b in self.module.buffers()]
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() \
+            and torch.cuda.is_initialized() else None
+        return bufs, torch.get_rng_state(), cuda
+
+    @staticmethod
+    def _restore_state(saved: tuple) -> None:
+        bufs, cpu, cuda = saved
+        with torch.no_grad():
+            for b, v in bufs:
+                b.copy_(v)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def _other_plan(self, inputs: tuple, tried: list[_Plan],
+                    miss: ValueGuardError) -> tuple[_Plan, bool]:
+        """After ``miss``: a build for other values
+        of this signature not tried yet (``fresh`` False), else a new build for these inputs
+        (True; a warning past :data:`VALUE_BUILDS_WARN` builds)."""
+        key = self._signature(inputs)
+        alts = self._value_plans.setdefault(key, [])
+        if tried[0] not in alts:
+            alts.append(tried[0])
+        for q in alts:
+            if q not in tried:
+                return q, False
+        p = self._build(inputs, getattr(tried[0], "dynamic_shapes", None))
+        alts.insert(0, p)
+        self._plans[key] = p
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
+        self.builds.append(Build(
+            len(self.builds) + 1, shapes,
+            f"a decision on a tensor value changed: {miss.where}: built for {miss.taken!r}, "
+            f"now {miss.now!r}", p.vjp_gm.meta.get("fxad_shapes", {}).get("symbols", {})))
+        if len(alts) > VALUE_BUILDS_WARN and key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                f"fxad.compile has built this model {len(alts)} times for the same input "
+                f"shapes because a Python decision on a tensor value keeps changing: "
+                f"{miss.where}. Each build is kept and tried in turn. Write the choice as "
+                "tensor code (torch.where(pred, a, b); torch.cond for two code paths), or pass "
+                "the value as an argument of forward", stacklevel=4)
+        return p, True
+
+    def _run(self, plan: _Plan, inputs: tuple) -> Any:
         part = plan.part
         params = self._params(plan)
         if not any(p.requires_grad for p in params) and not any(part.input_grads):
-            return self.module(*inputs)
+            return self._call_module(inputs)
         plan.stage_log = self.stage_log
         if plan.staged is not None:
             st = plan.staged
@@ -312,14 +425,17 @@ class FxadModule(torch.nn.Module):
         if part.out_spec.is_leaf():  # a single tensor
             return out
         leaves = list(out) if isinstance(out, tuple) else [out]
-        return pytree.tree_unflatten(leaves, part.out_spec)
+        # in the program's own containers (a ModelOutput: out.loss), as eager returns them
+        return restore_output(pytree.tree_unflatten(leaves, part.out_spec),
+                              plan.vjp_gm.meta.get(OUTPUT_SPEC))
 
 
 def compile(model: torch.nn.Module, *example_inputs: Any,
             policy: str | Policy | None = "save",
             leaf_modules: Iterable[type] = (), channels_last: bool | None = None,
             checkpoint: Checkpoint | bool | None = None,
-            grad_release: str | int | None = None, vjp: Any = None) -> FxadModule | EditedModule:
+            grad_release: str | int | None = None, vjp: Any = None,
+            values: str = "guard", **example_kwargs: Any) -> FxadModule | EditedModule:
     """Wrap ``model`` so that an ordinary training loop runs fxad's generated backward.
 
     >>> m = fxad.compile(model)                       # doctest: +SKIP
@@ -332,7 +448,10 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
 
     The model is captured on first call for each input signature (shapes, dtypes,
     ``requires_grad``), set of ``training`` flags and autocast state; pass
-    ``example_inputs`` to capture eagerly.  Shapes are dynamic automatically, as in
+    ``example_inputs`` (and the model's keyword arguments) to capture eagerly.  Keyword
+    arguments of ``forward`` are inputs like positional ones (``m(ids,
+    attention_mask=mask)``): a tensor with ``requires_grad`` gets its ``.grad``, a new
+    Python value builds again.  Shapes are dynamic automatically, as in
     ``torch.compile``: the first call at new sizes rebuilds once with the dimensions that
     changed made symbolic (:mod:`fxad.symbolic`); later sizes its guards admit reuse that
     build.  ``m.builds`` lists every build and why it happened (:class:`Build`).
@@ -381,6 +500,15 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     blocks and on the model, then ``fxad.compile(model)`` (:mod:`fxad.distributed`);
     ``fxad.compile(DDP(model))`` raises :class:`fxad.InputError`.
 
+    Python decisions on tensor values (``if x.sum() > 0:``, ``t.item()``,
+    ``torch.equal(a, b)``; :mod:`fxad.capture.decisions`) are taken on the first call's
+    values and checked on every call; when one comes out differently the call restores the
+    buffers and random state, and runs an earlier build made for the new values or builds
+    one (``m.builds`` names the line); past :data:`VALUE_BUILDS_WARN` builds for one
+    signature a warning names the line and the fix.  ``values``: ``"guard"`` (default),
+    ``"guard+sizes"`` (data-dependent sizes too) or ``"refuse"``, as in :func:`fxad.vjp`.
+    Each guard reads a value: one device synchronization per guard on a GPU.
+
     Edited derivative (``vjp=``): the path (or text) of a training split written by
     ``fxad.eject(model, *inputs, kind="training")`` and edited by hand; the returned
     :class:`fxad.training.edited.EditedModule` runs its ``forward`` and ``backward``
@@ -389,13 +517,16 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     apply to it.  Check the edit first: ``fxad.check(model, *inputs, vjp=FILE)``.
     """
     if vjp is not None:
+        if example_kwargs:
+            raise InputError("fxad.compile(vjp=...) runs an ejected file, whose inputs are "
+                             "positional: keyword arguments are not supported there")
         em = EditedModule(model, vjp)
         if example_inputs:
             em._guard(example_inputs)
         return em
     _dist.check_compile_target(model)
     m = FxadModule(model, policy=policy, leaf_modules=leaf_modules, channels_last=channels_last,
-                   checkpoint=checkpoint, grad_release=grad_release)
-    if example_inputs:
-        m.plan(*example_inputs)
+                   checkpoint=checkpoint, grad_release=grad_release, values=values)
+    if example_inputs or example_kwargs:  # keyword arguments of the model's forward too
+        m.plan(*example_inputs, **example_kwargs)
     return m

@@ -1,0 +1,458 @@
+"""Effects of the traced program besides its value: replayed in the generated code, or refused.
+
+The program runs once, at capture, on fake tensors; a Python effect there happens once and
+never again when the generated code runs.  The effects the generated code can repeat are
+recorded as graph nodes in the program's order, marked ``meta['fxad_side_effect'] = True``
+(kept by dead-code elimination, never merged, placed in the forward part of a training
+step), so they run on every call, ordered with the random ops around them:
+
+* the random-number generator's state: ``torch.manual_seed(s)`` (and ``torch.random.``,
+  ``torch.cuda.manual_seed(_all)``), ``torch.get_rng_state()`` / ``torch.set_rng_state(s)``,
+  and ``with torch.random.fork_rng():`` (the state read on entry, written back on exit), so
+  the draws after them match eager PyTorch's on every call;
+* ``print(...)``: one ``print`` line in the code, printing the values of that call (tensors
+  among its arguments are the graph's values; a print never carries a derivative).  Text the
+  program's own code formats from a traced tensor (an f-string, ``str(t)``,
+  ``"{:.3f}".format(t)``) is a marker while tracing (:func:`formatted`), and a ``print`` of it
+  prints ``'...{:.3f}'.format(t)`` of the call's values;
+* NumPy's global random draws (``np.random.rand``, ``randn``, ``randint``, ``permutation``,
+  ``choice``, ``normal``, ``uniform``, ``seed``...): each draw is a line of the code, so NumPy's
+  state advances as in eager code, and an array drawn there that becomes a tensor directly
+  (``torch.tensor(a)``, ``torch.from_numpy(a)``, ``torch.as_tensor(a)``) is the value of that
+  line.  An array that went through further NumPy computation first cannot be replayed: that
+  conversion raises :class:`~fxad.errors.CaptureError` naming the draws and the conversion.
+
+A ``torch.Generator`` argument of the program is a placeholder the random ops draw from
+(:meth:`fxad.capture.session.Session.arg`); one the program reseeds itself is restored and
+announced (:func:`generator_inputs_kept`).  Capture leaves NumPy's global state as it found
+it (:func:`numpy_state_kept`).  A draw from Python's ``random`` module is a Python value the code
+would fix at build time: refused with :class:`~fxad.errors.CaptureError` naming the line.  Other effects (a global
+counter, an outer list appended to, an attribute set on an outer object or a module) are
+announced by :mod:`fxad.capture.python_state`.
+
+Only calls made by the program's own code are recorded (not torch's or fxad's: a checkpoint
+saving the RNG state), and not inside a control-flow body (a ``print`` there is announced).
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import random as py_random
+import re
+import sys
+import sysconfig
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from ..errors import CaptureError, SourceLoc
+from ..graph.proxy import to_fake, user_source_loc
+from .state import current, has_tensor
+
+try:
+    import numpy as np
+    import numpy.random as np_random
+except ImportError:  # pragma: no cover - torch without NumPy
+    np = np_random = None  # type: ignore[assignment]
+
+# NumPy's module-level draws (its global RandomState), and its seeding
+NUMPY_DRAWS = ("rand", "randn", "randint", "random", "random_sample", "ranf", "sample",
+               "uniform", "normal", "standard_normal", "permutation", "choice", "shuffle",
+               "binomial", "poisson", "exponential", "beta", "gamma", "laplace", "logistic",
+               "lognormal", "multinomial", "geometric", "standard_exponential",
+               "standard_gamma", "standard_cauchy", "standard_t", "triangular", "bytes",
+               "random_integers", "seed", "set_state")
+_TORCH_SEEDING = (("manual_seed", torch), ("manual_seed", torch.random),
+                  ("set_rng_state", torch), ("set_rng_state", torch.random),
+                  ("get_rng_state", torch), ("get_rng_state", torch.random))
+_CUDA_SEEDING = ("manual_seed", "manual_seed_all", "set_rng_state", "get_rng_state")
+# Python's own random module: its draws are Python values, fixed at build time (refused)
+PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle",
+                "sample", "gauss", "normalvariate", "betavariate", "expovariate",
+                "getrandbits", "triangular")
+_GET_STATE, _SET_STATE = torch.random.get_rng_state, torch.random.set_rng_state
+
+
+def _loc_text(loc: SourceLoc | None) -> str:
+    return f"{loc.short()} (`{loc.code}`)" if loc is not None else "an unknown line"
+
+
+def record_effect(cap: Any, target: Any, args: tuple, kwargs: dict, val: Any,
+                  what: str) -> fx.Node:
+    """A node for the effect ``target(*args, **kwargs)`` (arguments converted by
+    :meth:`~fxad.capture.session.Session.arg`), kept in place by every pass."""
+    node = cap.graph.create_node("call_function", target, cap.arg(args, what),
+                                 cap.arg(kwargs, what))
+    node.meta["val"] = val
+    node.meta["fxad_side_effect"] = True
+    node.meta["fxad_no_grad"] = True
+    cap.stamp(node)
+    return node
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _active(depth: int = 2, bodies: bool = False) -> Any:
+    """The capture to record an effect in: a call from the program's code (not from torch's
+    or fxad's own, e.g. a checkpoint saving the RNG state), outside a control-flow body
+    (``bodies``: inside one too)."""
+    cap = current()
+    if cap is None or cap.suspended or (cap.lift is not None and not bodies):
+        return None
+    caller = os.path.abspath(sys._getframe(depth).f_code.co_filename)
+    return None if caller.startswith((_TORCH_DIR, _FXAD_DIR)) else cap
+
+
+# -- torch's random-number generator ---------------------------------------------------------
+def _seeding(orig: Any, name: str) -> Any:
+    """``orig`` (a seeding or RNG-state function) recorded as an effect while capturing."""
+    def seeding(*args: Any, **kwargs: Any) -> Any:
+        cap = _active()
+        if cap is None:
+            return orig(*args, **kwargs)
+        if name == "get_rng_state":
+            with torch._C.DisableTorchFunction():
+                val = to_fake(orig(*args, **kwargs))
+            node = record_effect(cap, orig, args, kwargs, val, f"torch.{name}")
+            cap.track(val, node)
+            return val
+        record_effect(cap, orig, args, kwargs, None, f"torch.{name}")
+        return torch.default_generator if name == "manual_seed" else None
+    seeding.__name__ = name
+    seeding.__wrapped__ = orig  # type: ignore[attr-defined]
+    return seeding
+
+
+def _fork_rng(orig: Any) -> Any:
+    """``torch.random.fork_rng`` recorded as reading the state on entry and writing it back
+    on exit (the CPU generator's, and CUDA's where CUDA is initialized)."""
+    def fork_rng(devices: Any = None, enabled: bool = True, *args: Any, **kwargs: Any) -> Any:
+        cap = _active()
+        if cap is None or not enabled:
+            return orig(devices, enabled, *args, **kwargs)
+        return forked(cap, devices, kwargs)
+
+    @contextlib.contextmanager
+    def forked(cap: Any, devices: Any, kwargs: dict) -> Iterator[None]:
+        get, put = _GET_STATE, _SET_STATE
+        with torch._C.DisableTorchFunction():
+            val = to_fake(get())
+        state = record_effect(cap, get, (), {}, val, "torch.random.fork_rng")
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized() \
+            and kwargs.get("device_type", "cuda") == "cuda" and devices != []
+        if cuda:
+            cuda_state = record_effect(cap, torch.cuda.get_rng_state_all, (), {}, None,
+                                       "torch.random.fork_rng")
+        try:
+            yield
+        finally:
+            node = cap.graph.create_node("call_function", put, (state,), {})
+            node.meta.update(val=None, fxad_side_effect=True, fxad_no_grad=True)
+            cap.stamp(node)
+            if cuda:
+                node = cap.graph.create_node("call_function", torch.cuda.set_rng_state_all,
+                                             (cuda_state,), {})
+                node.meta.update(val=None, fxad_side_effect=True, fxad_no_grad=True)
+                cap.stamp(node)
+    fork_rng.__wrapped__ = orig  # type: ignore[attr-defined]
+    return fork_rng
+
+
+# -- print ------------------------------------------------------------------------------------
+_MARK = re.compile(r"<fxad-value (\d+)>")
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _formatted_by_user() -> bool:
+    """The code that asked torch to format the tensor is the program's (an f-string or
+    ``str(t)`` there), not fxad's own nor the standard library's (``logging`` formatting a
+    message)."""
+    frame = sys._getframe(1)
+    # fxad's dispatch of the call, then torch's (Tensor.__format__, handle_torch_function)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAD_DIR):
+        frame = frame.f_back
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    name = os.path.abspath(frame.f_code.co_filename)
+    return not name.startswith((_FXAD_DIR, _STDLIB)) or "site-packages" in name
+
+
+def formatted(cap: Any, method: str, args: tuple) -> str | None:
+    """``format(t, spec)`` / ``str(t)`` / ``repr(t)`` of a traced tensor in the program's own
+    code, while tracing: a marker standing for the text the value will give at call time (a
+    ``print`` of a string holding it prints ``'...{:.3f}'.format(t)``); None when the call
+    is not the program's (it then formats the fake value as usual)."""
+    if not args or id(args[0]) not in cap.env or cap.lift is not None \
+            or not _formatted_by_user():
+        return None
+    table = cap.__dict__.setdefault("formatted", [])
+    spec = args[1] if method == "__format__" and len(args) > 1 else ""
+    table.append((args[0], method, spec))
+    return f"<fxad-value {len(table) - 1}>"
+
+
+def _format_node(cap: Any, text: str) -> Any:
+    """``text`` with its markers (:func:`formatted`) as a ``str.format`` node of the tensors
+    they stand for; ``text`` itself when it holds none."""
+    table = cap.__dict__.get("formatted", [])
+    parts: list[str] = []
+    values: list[Any] = []
+    pos = 0
+    for m in _MARK.finditer(text):
+        k = int(m.group(1))
+        if k >= len(table):
+            continue
+        t, method, spec = table[k]
+        field = "{!r}" if method == "__repr__" else "{!s}" if method == "__str__" \
+            else "{:" + spec + "}" if spec else "{}"
+        parts.append(text[pos:m.start()].replace("{", "{{").replace("}", "}}") + field)
+        values.append(t)
+        pos = m.end()
+    if not values:
+        return text
+    parts.append(text[pos:].replace("{", "{{").replace("}", "}}"))
+    node = cap.graph.create_node("call_method", "format",
+                                 ("".join(parts), *cap.arg(tuple(values), "print")), {})
+    node.meta["val"] = text
+    node.meta["fxad_no_grad"] = True
+    cap.stamp(node)
+    return node
+
+
+def _print(orig: Any) -> Any:
+    def print_(*args: Any, **kwargs: Any) -> None:
+        cap = _active()
+        inner = current()
+        if cap is None and inner is not None and inner.lift is not None \
+                and _active(depth=2, bodies=True) is not None:
+            warnings.warn(
+                f"print at {_loc_text(user_source_loc())} is inside a torch.cond / "
+                "while_loop / scan body: it printed once, at build time, and the generated "
+                "code does not print it; print before or after the call", UserWarning,
+                stacklevel=2)
+        if cap is None or kwargs.get("file") is not None:
+            return orig(*args, **kwargs)
+        loc = user_source_loc()
+        if any(isinstance(a, str) and _MARK.search(a) for a in args):
+            # text formatted from tensors (f"y {y:.3f}"): formatted again at call time
+            args = tuple(_format_node(cap, a) if isinstance(a, str) else a for a in args)
+        try:
+            record_effect(cap, orig, args, kwargs, None, "print")
+        except CaptureError:
+            # an argument a graph cannot hold (an arbitrary object): printed once, now
+            args = tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
+            warnings.warn(
+                f"print at {_loc_text(loc)} has an argument fxad cannot put in the "
+                "generated code; it printed once, at build time, and the generated code "
+                "does not print it: print tensors, numbers and strings", UserWarning,
+                stacklevel=2)
+            return orig(*args, **kwargs)
+        if any(isinstance(a, str) and "FakeTensor(" in a for a in args):
+            warnings.warn(
+                f"print at {_loc_text(loc)} prints a string formatted from a tensor before "
+                "the call (an f-string or str(t)), while fxad traced the program without "
+                "values: the generated code prints that text, not the values; pass the "
+                "tensor to print itself (print('y', y) instead of print(f'y {y}'))",
+                UserWarning, stacklevel=2)
+        return None
+    print_.__wrapped__ = orig  # type: ignore[attr-defined]
+    return print_
+
+
+# -- NumPy's global random draws ---------------------------------------------------------------
+def _numpy_draw(orig: Any, name: str) -> Any:
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        cap = _active()
+        if cap is None or has_tensor((args, kwargs)):
+            return orig(*args, **kwargs)
+        loc = user_source_loc()
+        if any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values())) \
+                or name in ("shuffle", "set_state"):
+            raise CaptureError(
+                f"numpy.random.{name} is called with a NumPy array inside the traced "
+                "program; fxad replays NumPy's draws in the generated code only with "
+                "Python numbers as arguments", op=f"numpy.random.{name}", loc=loc,
+                hint="draw with numbers as arguments (np.random.permutation(n)), or draw "
+                     "outside the traced function and pass the result in as a tensor input")
+        out = orig(*args, **kwargs)
+        if out is not None and not isinstance(out, np.ndarray):
+            raise CaptureError(
+                f"numpy.random.{name} draws a number ({type(out).__name__}) that the "
+                "program uses as a Python value: the traced code would keep the number "
+                "drawn once, at build time, on every call", op=f"numpy.random.{name}",
+                loc=loc, hint="draw with torch (torch.rand(()) < p, or torch.randint) so "
+                              "the draw is part of the graph, or draw outside the traced "
+                              "function and pass the value in")
+        node = record_effect(cap, orig, args, kwargs, None, f"numpy.random.{name}")
+        if isinstance(out, np.ndarray):
+            draws = cap.__dict__.setdefault("numpy_draws", {})
+            draws[id(out)] = (out, node, loc, out.copy())
+            cap.__dict__.setdefault("numpy_draw_locs", []).append(loc)
+        return out
+    draw.__name__ = name
+    draw.__wrapped__ = orig  # type: ignore[attr-defined]
+    return draw
+
+
+def numpy_node(cap: Any, arr: Any, what: str) -> fx.Node:
+    """The node of NumPy array ``arr`` passed to ``what`` (a conversion to a tensor): the
+    draw that returned it.
+
+    Raises:
+        CaptureError: ``arr`` is not an array a draw returned (computed from one, or by other
+            NumPy code).
+    """
+    hit = getattr(cap, "numpy_draws", {}).get(id(arr))
+    if hit is not None and hit[0] is arr and arr.dtype == hit[3].dtype \
+            and np.array_equal(arr, hit[3], equal_nan=arr.dtype.kind in "fc"):
+        # the drawn array as drawn (not changed in place since)
+        cap.__dict__.setdefault("numpy_used", set()).add(id(arr))
+        return hit[1]
+    loc = user_source_loc()
+    draws = getattr(cap, "numpy_draw_locs", [])
+    if draws:
+        raise CaptureError(
+            f"{what} is called with a NumPy array; the program drew NumPy random numbers "
+            f"({', '.join(_loc_text(d) for d in draws[:4])}) and this array is not a drawn "
+            f"array as drawn: NumPy code computed or changed it (used at {_loc_text(loc)}): "
+            "fxad replays draws, not the NumPy computation after them",
+            op=what, loc=loc,
+            hint="turn the drawn array into a tensor right away and compute with torch "
+                 "(torch.from_numpy(np.random.permutation(n)).reshape(...)), or draw "
+                 "outside the traced function and pass the result in as an input")
+    raise CaptureError(
+        f"{what} is called with a NumPy array computed by NumPy code while tracing; fxad "
+        "records torch calls, not NumPy code", op=what, loc=loc,
+        hint="create the values with torch functions inside the traced code, or pass the "
+             "array in as a tensor input")
+
+
+def _from_numpy(orig: Any) -> Any:
+    def from_numpy(arr: Any) -> Any:
+        cap = _active()
+        if cap is None:
+            return orig(arr)
+        node = numpy_node(cap, arr, "torch.from_numpy")
+        with torch._C.DisableTorchFunction():
+            val = to_fake(orig(arr))
+        out = cap.graph.create_node("call_function", orig, (node,), {})
+        out.meta["val"] = val
+        cap.stamp(out)
+        cap.track(val, out)
+        return val
+    from_numpy.__wrapped__ = orig  # type: ignore[attr-defined]
+    return from_numpy
+
+
+# -- Python's random module ---------------------------------------------------------------------
+def _python_draw(orig: Any, name: str) -> Any:
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        cap = _active()
+        if cap is not None:
+            # the value would be drawn once, at build time, and kept by the generated code
+            # on every call (a layer kept or skipped stays so): refused, as NumPy's scalar
+            # draws are
+            raise CaptureError(
+                f"random.{name} draws a Python value inside the traced program: the "
+                "generated code would keep the value drawn once, at build time, on every "
+                "call", op=f"random.{name}", loc=user_source_loc(),
+                hint="draw with torch (`if torch.rand(()) < p:`, which fxad turns into a "
+                     "torch.cond drawn on every call), or draw outside the traced function "
+                     "and pass the value in as an argument")
+        return orig(*args, **kwargs)
+    draw.__name__ = name
+    draw.__wrapped__ = orig  # type: ignore[attr-defined]
+    return draw
+
+
+# -- the patch list ------------------------------------------------------------------------------
+def effect_patches() -> list[tuple[Any, str, Any, Any]]:
+    """``(namespace, name, original, replacement)`` for the functions whose effects capture
+    records (see the module docstring)."""
+    out: list[tuple[Any, str, Any, Any]] = []
+    made: dict[int, Any] = {}
+
+    def add(ns: Any, name: str, make: Any) -> None:
+        orig = getattr(ns, name, None)
+        if orig is None:
+            return
+        new = made.get(id(orig))
+        if new is None:
+            new = made[id(orig)] = make(orig)
+        out.append((ns, name, orig, new))
+
+    for name, ns in _TORCH_SEEDING:
+        add(ns, name, lambda o, n=name: _seeding(o, n))
+    for name in _CUDA_SEEDING:
+        add(torch.cuda, name, lambda o, n=name: _seeding(o, n))
+    add(torch.random, "fork_rng", _fork_rng)
+    add(builtins, "print", _print)
+    add(torch, "from_numpy", _from_numpy)
+    for name in PYTHON_DRAWS:
+        add(py_random, name, lambda o, n=name: _python_draw(o, n))
+    if np_random is not None:
+        for name in NUMPY_DRAWS:
+            add(np_random, name, lambda o, n=name: _numpy_draw(o, n))
+    return out
+
+
+@contextlib.contextmanager
+def numpy_state_kept() -> Iterator[None]:
+    """NumPy's global random state as it was before capture, after it: the draws capture makes
+    (to give the program arrays of the right shapes and values) are not the program's calls."""
+    state = np_random.get_state() if np_random is not None else None
+    try:
+        yield
+    finally:
+        if state is not None:
+            np_random.set_state(state)
+
+
+@contextlib.contextmanager
+def generator_inputs_kept(cap: Any) -> Iterator[None]:
+    """The ``torch.Generator`` inputs of the program as they were, after capture; a program
+    that reseeds one itself (``g.manual_seed(0)``: a method fxad cannot record) is told so."""
+    gens = [(n.name, n.meta["val"], n.meta["val"].get_state()) for n in cap.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Generator)]
+    try:
+        yield
+    finally:
+        changed = []
+        for name, gen, state in gens:
+            if not torch.equal(gen.get_state(), state):
+                gen.set_state(state)
+                changed.append(name)
+        if changed:
+            warnings.warn(
+                "the traced program changes the state of its torch.Generator argument "
+                f"{', '.join(f'`{c}`' for c in changed)} itself (g.manual_seed(...) or "
+                "g.set_state(...)): fxad cannot put a generator's own methods in the "
+                "generated code, which draws from the generator as passed; seed it before "
+                "the call", UserWarning, stacklevel=4)
+
+
+def is_numpy_array(a: Any) -> bool:
+    """``a`` is a NumPy array."""
+    return np is not None and isinstance(a, np.ndarray)
+
+
+def warn_unused_draws(cap: Any) -> None:
+    """Warn about NumPy arrays drawn in the program that never became tensors (directly):
+    whatever Python did with them ran once, at build time."""
+    draws = getattr(cap, "numpy_draws", {})
+    used = getattr(cap, "numpy_used", set())
+    locs = [entry[2] for k, entry in draws.items() if k not in used]
+    if locs:
+        warnings.warn(
+            "NumPy random draws at " + ", ".join(_loc_text(loc) for loc in locs[:4]) + " are "
+            "repeated by the generated code, but their arrays were used by Python code, not "
+            "turned into tensors: what that code did with them ran once, at build time, "
+            "with the numbers drawn then; turn the drawn array into a tensor "
+            "(torch.from_numpy) to use it in the program", UserWarning, stacklevel=4)

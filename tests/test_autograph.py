@@ -1,0 +1,534 @@
+"""Random decisions (LayerDrop): a Python ``if`` on a random draw becomes ``torch.cond``.
+
+Every model is compared with eager PyTorch under the same seed, in float64: the value and
+every gradient (inputs and parameters), over several seeds so that both branches are taken.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxad
+from fxad.capture import autograph
+from fxad.errors import DataDependentError
+
+SEEDS = range(8)
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.drop(torch.tanh(self.lin(h)))
+
+
+class Encoder(nn.Module):
+    """transformers' LayerDrop loop (Wav2Vec2-Conformer, SEW, Data2VecAudio, SpeechT5)."""
+
+    def __init__(self, n: int = 3, layerdrop: float = 0.5, synced_gpus: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(n))
+        self.layerdrop = layerdrop
+        self.synced_gpus = synced_gpus
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        synced_gpus = self.synced_gpus
+        for layer in self.layers:
+            skip_the_layer = False
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                skip_the_layer = dropout_probability < self.layerdrop
+            if not skip_the_layer or synced_gpus:
+                h = layer(h)
+        return (h * h).sum()
+
+
+class ExpressionForm(Encoder):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            skip = True if self.training and torch.rand([]) < self.layerdrop else False
+            if not skip:
+                h = layer(h)
+        return (h * h).sum()
+
+
+class NestedForm(Encoder):
+    """Informer's encoder: the flag set inside a nested ``if``, read by a later one."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            to_drop = False
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:  # skip the layer
+                    to_drop = True
+            if not to_drop:
+                h = layer(h)
+        return (h * h).sum()
+
+
+class ContinueForm(Encoder):
+    """Informer's and SpeechT5's decoders: ``continue`` skips the rest of the loop body."""
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            out = layer(h)
+            h = out * scale
+        return (h * h).sum()
+
+
+class NestedContinueForm(Encoder):
+    """Informer's decoder: the ``continue`` inside a nested ``if``."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for idx, layer in enumerate(self.layers):
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            h = layer(h)
+        return (h * h).sum()
+
+
+class SuperForm(Layer):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if torch.rand([]) < 0.5:
+            h = super().forward(h)
+        return (h * h).sum()
+
+
+def _conds(code: str) -> int:
+    """The conditionals the generated code calls (forward and backward)."""
+    return sum("fxad_cond(" in line and not line.strip().startswith("#")
+               for line in code.splitlines())
+
+
+def _vjp(m: nn.Module, *inputs):
+    """fxad.vjp of m, and a copy of m taken before (eager reference)."""
+    ref_m = copy.deepcopy(m)
+    return fxad.vjp(m, *inputs), ref_m
+
+
+def _grads_close(ref_m: nn.Module, g, inputs: tuple, seeds=SEEDS) -> set[float]:
+    """g: fxad.vjp of a copy of ref_m; checks value and gradients against eager for each
+    seed and returns the values seen."""
+    values = set()
+    for seed in seeds:
+        torch.manual_seed(seed)
+        out, d_in, d_p = g(*inputs, torch.tensor(1.0))
+        xs = [x.clone().requires_grad_() for x in inputs]
+        ref_m.zero_grad()
+        torch.manual_seed(seed)
+        ref = ref_m(*xs)
+        ref.backward()
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for d, x in zip(d_in, xs):  # (no gradient in eager: every layer skipped)
+            want = x.grad if x.grad is not None else torch.zeros_like(x)
+            torch.testing.assert_close(d, want, rtol=1e-10, atol=1e-12)
+        for name, p in ref_m.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(d_p[name], want, rtol=1e-10, atol=1e-12)
+        values.add(round(float(out), 8))
+    return values
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("cls", [Encoder, ExpressionForm, NestedForm, NestedContinueForm,
+                                 SuperForm])
+def test_layerdrop_becomes_cond_and_matches_eager(cls):
+    torch.manual_seed(0)
+    m = cls().train()
+    x = torch.randn(2, 4)
+    g, ref = _vjp(m, x)
+    assert _conds(g.code) >= 2 and "torch.rand([])" in g.code
+    values = _grads_close(ref, g, (x,))
+    assert len(values) > 2  # different layers skipped on different calls
+    # the rewrite lasted the capture only
+    assert type(m).forward.__code__ not in autograph._REWRITTEN
+
+
+def test_continue_form_and_a_second_input():
+    torch.manual_seed(1)
+    m = ContinueForm().train()
+    x, s = torch.randn(2, 4), torch.randn(4)
+    g, ref = _vjp(m, x, s)
+    assert g.code.count("torch.rand([])") == 3
+    _grads_close(ref, g, (x, s))
+
+
+def test_both_branches_taken_across_calls():
+    torch.manual_seed(0)
+    m = Encoder(n=1).train()
+    x = torch.randn(2, 4)
+    g = fxad.vjp(m, x)
+    skipped = float((x * x).sum())
+    outs = set()
+    for seed in range(12):
+        torch.manual_seed(seed)
+        out, _, d_p = g(x, torch.tensor(1.0))
+        outs.add(float(out) == skipped)
+        if float(out) == skipped:
+            assert torch.count_nonzero(d_p["layers.0.lin.weight"]) == 0
+    assert outs == {True, False}
+
+
+def test_synced_gpus_or_runs_every_layer_and_draws_like_eager():
+    torch.manual_seed(0)
+    m = Encoder(synced_gpus=True).train()
+    x = torch.randn(2, 4)
+    g, ref = _vjp(m, x)
+    assert _conds(g.code) == 0  # `... or True` is true whatever the draw
+    assert g.code.count("torch.rand([])") == 3  # the draws eager makes are still made
+    _grads_close(ref, g, (x,))
+
+
+def test_eval_mode_draws_nothing():
+    torch.manual_seed(0)
+    m = Encoder().eval()
+    x = torch.randn(2, 4)
+    g, ref = _vjp(m, x)
+    assert _conds(g.code) == 0 and "rand" not in g.code
+    _grads_close(ref, g, (x,), seeds=[0])
+
+
+def test_grad_of_a_function_with_closures():
+    torch.manual_seed(0)
+    w = torch.randn(4, 4)
+    layer = Layer().train()
+
+    def f(x):
+        h = x @ w
+        for _ in range(2):
+            if torch.rand([]) > 0.4:
+                h = layer(h) * w[0]
+            else:
+                h = h.flip(0)
+        return h.pow(2).sum()
+
+    x = torch.randn(3, 4)
+    g = fxad.grad(f, x)
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        value, (d_x,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = f(xr)
+        ref.backward()
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(d_x, xr.grad)
+
+
+def test_compile_training_steps_follow_eager():
+    torch.manual_seed(0)
+    m_fx, m_ref = Encoder().train(), None
+    m_ref = copy.deepcopy(m_fx)
+    xs = [torch.randn(2, 4) for _ in range(5)]
+    cm = fxad.compile(m_fx, xs[0])
+    opt_fx = torch.optim.SGD(m_fx.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(m_ref.parameters(), lr=0.05)
+    for step, x in enumerate(xs):
+        for model, opt in ((cm, opt_fx), (m_ref, opt_ref)):
+            torch.manual_seed(100 + step)
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+    for (name, p), q in zip(m_fx.named_parameters(), m_ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    assert len(cm.builds) == 1
+
+
+def test_branch_that_returns_is_refused_naming_the_line():
+    class Early(Encoder):
+        def forward(self, h):
+            for layer in self.layers:
+                if torch.rand([]) < self.layerdrop:
+                    return h.sum()
+                h = layer(h)
+            return h.sum()
+
+    with pytest.raises(DataDependentError) as e:
+        fxad.vjp(Early().train(), torch.randn(2, 4))
+    msg = str(e.value)
+    assert "random draw" in msg and "a branch returns from the function" in msg
+    assert "if torch.rand([]) < self.layerdrop:" in msg and "torch.cond(" in msg
+
+
+def test_variable_left_different_is_refused_where_it_is_used():
+    class Collect(Encoder):
+        def forward(self, h):
+            hidden = ()
+            for layer in self.layers:
+                if torch.rand([]) < self.layerdrop:
+                    continue
+                h = layer(h)
+                hidden = hidden + (h,)
+            return h.sum() + hidden[0].sum()
+
+    with pytest.raises(DataDependentError, match="`hidden` is used after an `if` on a random"):
+        fxad.vjp(Collect().train(), torch.randn(2, 4))
+
+
+def test_random_number_as_python_float_is_refused():
+    def f(x):
+        if torch.rand(1).item() < 0.5:
+            x = x * 2
+        return x.sum()
+
+    with pytest.raises(DataDependentError, match="random draw"):
+        fxad.grad(f, torch.randn(3))
+
+
+def test_python_semantics_kept_for_python_values():
+    """The rewritten function, run with Python predicates, is the original program:
+    unbound variables stay unbound, `and`/`or` return their operands."""
+    def f(x, flag, other):
+        if flag and other:
+            y = x + 1
+        z = flag or other
+        if not flag:
+            return z
+        return y, z
+
+    code = autograph._rewrite(f)
+    g = type(f)(code, f.__globals__, "g", f.__defaults__, f.__closure__)
+    for flag in (0, 1, [], [2]):
+        for other in (0, "", "s"):
+            try:
+                want = f(3, flag, other)
+            except UnboundLocalError:
+                with pytest.raises(UnboundLocalError):
+                    g(3, flag, other)
+                continue
+            assert g(3, flag, other) == want
+
+
+def test_python_semantics_kept_for_loops_with_continue():
+    def f(xs, a, b):
+        out = []
+        for x in xs:
+            if x % a == 0:
+                if x % b == 0:
+                    continue
+                x = -x
+            elif x > 7:
+                continue
+            if x == 5:
+                continue
+            out.append(x)
+        return out
+
+    g = type(f)(autograph._rewrite(f), f.__globals__, "g")
+    for a in (2, 3):
+        for b in (2, 4, 5):
+            assert g(range(12), a, b) == f(range(12), a, b)
+
+
+def test_function_created_inside_the_program_is_refused():
+    def f(x):
+        def inner(h):
+            if torch.rand([]) < 0.5:
+                h = h * 2
+            return h
+        return inner(x).sum()
+
+    with pytest.raises(DataDependentError, match="defined inside the traced program"):
+        fxad.grad(f, torch.randn(3))
+
+
+def test_shapes_that_differ_are_refused_where_used():
+    def f(x):
+        y = x
+        if torch.rand([]) < 0.5:
+            y = x[:2]
+        return y.sum()
+
+    with pytest.raises(DataDependentError) as e:
+        fxad.grad(f, torch.randn(3))
+    msg = str(e.value)
+    assert "`y` is a tensor of float64[2] in the true branch and float64[3] in the false" in msg
+    assert "at " in msg and "return y.sum()" in msg and "if torch.rand([]) < 0.5:" in msg
+
+
+# -- transformers' LayerDrop models, tiny configs, train mode --------------------------------
+
+def _audio_model(name: str) -> nn.Module:
+    # transformers' audio models import torchvision, whose PyPI wheel needs its C++ ops
+    # declared beside the CPU build of torch (fxad.tools.library_models)
+    library_models = pytest.importorskip("fxad.tools.library_models")
+    library_models.import_torchvision()
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                  intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8),
+                  num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, layerdrop=0.5,
+                  mask_time_prob=0.0, mask_feature_prob=0.0, hidden_dropout=0.1,
+                  attention_dropout=0.1, activation_dropout=0.1, feat_proj_dropout=0.1)
+    if name == "Wav2Vec2ConformerModel":
+        cfg = transformers.Wav2Vec2ConformerConfig(**common, conv_depthwise_kernel_size=3,
+                                                   position_embeddings_type="relative")
+    elif name == "SEWModel":
+        cfg = transformers.SEWConfig(**common, squeeze_factor=2)
+    else:
+        cfg = transformers.Data2VecAudioConfig(**common)
+    return getattr(transformers, name)(cfg)
+
+
+class _Loss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).last_hidden_state.pow(2).sum()
+
+
+@pytest.mark.parametrize("name", ["Wav2Vec2ConformerModel", "SEWModel", "Data2VecAudioModel"])
+def test_transformers_layerdrop_models(name):
+    torch.manual_seed(0)
+    m = _Loss(_audio_model(name)).train()
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 400)
+    g = fxad.vjp(m, x, argnums=())  # (the feature encoder sets requires_grad on its output)
+    assert _conds(g.code) == 6  # 3 layers, forward and backward
+    values = set()
+    for seed in range(4):
+        torch.manual_seed(seed)
+        value, _, d_p = g(x, torch.tensor(1.0))
+        ref.zero_grad()
+        torch.manual_seed(seed)
+        want = ref(x)
+        want.backward()
+        torch.testing.assert_close(value, want.detach(), rtol=1e-12, atol=1e-12)
+        assert set(d_p) == {k for k, p in ref.named_parameters() if p.requires_grad}
+        for k, p in ref.named_parameters():
+            exp = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(d_p[k], exp, rtol=1e-9, atol=1e-12, msg=k)
+        values.add(float(value))
+    assert len(values) > 1
+
+
+def test_restart_leaves_no_graphs_of_the_abandoned_capture_on_the_module():
+    class Two(nn.Module):  # two functions to rewrite: two restarts
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = SuperForm(), Encoder(n=2)
+
+        def forward(self, h):
+            return self.a(h) + self.b(h)
+
+    m = Two().train()
+    g = fxad.vjp(m, torch.randn(2, 4))
+    branches = {k for k in vars(m) if re.fullmatch(r"_fxad_(true|false)_branch_\d+", k)}
+    assert len(branches) == 6  # three ifs captured
+    assert all(f"self.{k}" in g.code for k in branches)
+
+
+def _mixed(x):
+    if x.sum() > 0:  # a decision on the input's value: specialized and guarded
+        x = x * 2
+    if torch.rand([]) < 0.5:  # a random one: a conditional
+        x = torch.tanh(x) + x
+    return x.pow(2).sum()
+
+
+def test_value_decision_beside_a_random_one_keeps_its_guard():
+    x = torch.randn(3).abs()
+    g = fxad.grad(_mixed, x)
+    assert _conds(g.code) == 2 and "fxad_expect(" in g.code
+    assert "if x.sum() > 0:" in g.code  # the guard names the user's line
+    for seed in range(4):
+        torch.manual_seed(seed)
+        value, (d_x,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = _mixed(xr)
+        ref.backward()
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(d_x, xr.grad)
+    with pytest.raises(fxad.errors.InputError):
+        g(-x)
+
+
+def test_forward_mode_and_second_order():
+    w = torch.randn(4, 4)
+
+    def f(x):
+        for _ in range(2):
+            if torch.rand([]) < 0.5:
+                x = torch.tanh(x @ w) + x
+        return x.pow(2).sum()
+
+    x, v = torch.randn(3, 4), torch.randn(3, 4)
+    gj, gh = fxad.jvp(f, x), fxad.hvp(f, x)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        value, tangent = gj(x, v)
+        torch.manual_seed(seed)
+        _, (hv,) = gh(x, v)
+        torch.manual_seed(seed)
+        ref, ref_t = torch.func.jvp(f, (x,), (v,))
+        torch.manual_seed(seed)
+        _, ref_hv = torch.func.jvp(torch.func.grad(f), (x,), (v,))
+        torch.testing.assert_close(value, ref)
+        torch.testing.assert_close(tangent, ref_t)
+        torch.testing.assert_close(hv, ref_hv)
+
+
+def test_transformers_informer_nested_continue():
+    """InformerModel (distil=False): the encoder's flag set in a nested `if`, the decoder's
+    `continue` inside a nested `if`."""
+    library_models = pytest.importorskip("fxad.tools.library_models")
+    library_models.import_torchvision()
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.InformerConfig(
+        prediction_length=4, context_length=6, input_size=1, d_model=16, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=16, decoder_ffn_dim=16, encoder_layerdrop=0.5, decoder_layerdrop=0.5,
+        lags_sequence=[1, 2], num_time_features=1, dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, distil=False)
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.InformerModel(cfg)
+
+        def forward(self, pv, ptf, pom, ftf, fv):
+            return self.m(past_values=pv, past_time_features=ptf, past_observed_mask=pom,
+                          future_time_features=ftf,
+                          future_values=fv).last_hidden_state.pow(2).sum()
+
+    torch.manual_seed(0)
+    m = Loss().train()
+    ref = copy.deepcopy(m)
+    n = cfg.context_length + max(cfg.lags_sequence)
+    inputs = (torch.randn(2, n), torch.randn(2, n, 1), torch.ones(2, n), torch.randn(2, 4, 1),
+              torch.randn(2, 4))
+    g = fxad.vjp(m, *inputs, argnums=())
+    assert _conds(g.code) >= 8
+    for seed in range(3):
+        torch.manual_seed(seed)
+        value, _, d_p = g(*inputs, torch.tensor(1.0))
+        ref.zero_grad()
+        torch.manual_seed(seed)
+        want = ref(*inputs)
+        want.backward()
+        torch.testing.assert_close(value, want.detach(), rtol=1e-12, atol=1e-12)
+        for k, p in ref.named_parameters():
+            if p.requires_grad:  # (the sinusoidal position tables are frozen)
+                exp = p.grad if p.grad is not None else torch.zeros_like(p)
+                torch.testing.assert_close(d_p[k], exp, rtol=1e-9, atol=1e-12, msg=k)

@@ -1,0 +1,465 @@
+"""Side effects inside the traced program: replayed by the generated code (RNG seeding and
+state, a torch.Generator argument, print, NumPy draws) or announced (Python state changed
+only at build time), in float64 against eager PyTorch and autograd."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxad
+from fxad.errors import CaptureError
+
+DT = torch.float64
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+def _eager_grad(f, *inputs):
+    xs = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor)
+          and a.is_floating_point() else a for a in inputs]
+    out = f(*xs)
+    grads = torch.autograd.grad(out, [a for a in xs if isinstance(a, torch.Tensor)
+                                      and a.requires_grad])
+    return out.detach(), grads
+
+
+# -- torch.manual_seed / fork_rng / Generator argument -----------------------------------------
+def seeded(x):
+    torch.manual_seed(123)
+    y = F.dropout(x, 0.4, training=True) * torch.sin(x)
+    return (y + torch.randn(x.shape, dtype=x.dtype) * x).sum()
+
+
+def test_manual_seed_replayed_on_every_call():
+    x = _x(5, 4)
+    g = fxad.grad(seeded, x)
+    code = g.code
+    assert "torch.manual_seed(123)" in code
+    # the seed comes before the first draw
+    assert code.index("torch.manual_seed(123)") < code.index("bernoulli_")
+    for k in range(3):
+        torch.manual_seed(1000 + k)  # the state before the call does not matter
+        v, (d,) = g(x)
+        ev, (ed,) = _eager_grad(seeded, x)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+
+
+def test_manual_seed_in_jvp_and_vjp():
+    x, t = _x(3, 4), _x(3, 4, seed=1)
+    j = fxad.jvp(seeded, x)
+    out, tan = j(x, t)
+    _, ejvp = torch.func.jvp(lambda a: seeded(a), (x,), (t,))
+    torch.testing.assert_close(out, seeded(x))
+    torch.testing.assert_close(tan, ejvp)
+    v = fxad.vjp(seeded, x)
+    res = v(x, torch.tensor(2.0, dtype=DT))
+    _, (ed,) = _eager_grad(seeded, x)
+    torch.testing.assert_close(res[1][0], 2 * ed)
+
+
+def test_fork_rng_restores_the_state():
+    def f(x):
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            a = torch.rand(x.shape, dtype=x.dtype)
+        return (x * a * torch.rand(x.shape, dtype=x.dtype)).sum()
+
+    x = _x(4, 3)
+    g = fxad.grad(f, x)
+    assert "torch.get_rng_state()" in g.code and "torch.set_rng_state(" in g.code
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        v, (d,) = g(x)
+        after = torch.rand(2)
+        torch.manual_seed(seed)
+        ev, (ed,) = _eager_grad(f, x)
+        eafter = torch.rand(2)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+        torch.testing.assert_close(after, eafter)  # the global state advanced alike
+
+
+def test_generator_argument():
+    def f(x, gen):
+        noise = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        keep = torch.bernoulli(torch.full(x.shape, 0.6, dtype=x.dtype), generator=gen)
+        return (x * noise * keep + x.exp()).sum()
+
+    x = _x(3, 5)
+    g = fxad.grad(f, x, torch.Generator().manual_seed(0))
+    assert "generator = gen" in g.code
+    for seed in (1, 2, 3):
+        v, (d, dg) = g(x, torch.Generator().manual_seed(seed))
+        ev, (ed,) = _eager_grad(f, x, torch.Generator().manual_seed(seed))
+        assert dg is None
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+
+
+def test_generator_reseeded_by_the_program_is_announced_and_kept():
+    def f(x, gen):
+        gen.manual_seed(0)
+        return (x * torch.rand(x.shape, generator=gen, dtype=x.dtype)).sum()
+
+    gen = torch.Generator().manual_seed(5)
+    state = gen.get_state()
+    with pytest.warns(UserWarning, match="changes the state of its torch.Generator"):
+        fxad.grad(f, _x(3), gen)
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_generator_made_inside_is_refused():
+    def f(x):
+        gen = torch.Generator().manual_seed(0)
+        return (x * torch.rand(x.shape, generator=gen, dtype=x.dtype)).sum()
+
+    with pytest.raises(CaptureError, match="torch.Generator") as e:
+        fxad.grad(f, _x(2))
+    assert "pass the generator in as an argument" in str(e.value)
+
+
+class SeededDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=DT)
+
+    def forward(self, x):
+        torch.manual_seed(11)
+        h = F.dropout(self.lin(x), 0.3, training=True)
+        print("h", h.detach().sum())
+        return (h * torch.rand(h.shape, dtype=h.dtype)).pow(2).sum()
+
+
+def test_manual_seed_and_print_in_compile(capsys):
+    torch.manual_seed(0)
+    m = SeededDropout()
+    x = _x(6, 4)
+    cm = fxad.compile(m, x)
+    capsys.readouterr()
+    for _ in range(2):
+        m.zero_grad()
+        loss = cm(x)
+        loss.backward()
+        printed = capsys.readouterr().out
+        got = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        eloss = m(x)
+        eloss.backward()
+        assert printed == capsys.readouterr().out  # once per call, in the forward
+        torch.testing.assert_close(loss, eloss)
+        for a, b in zip(got, [p.grad for p in m.parameters()]):
+            torch.testing.assert_close(a, b)
+
+
+def test_manual_seed_and_print_in_joint_step(capsys):
+    torch.manual_seed(0)
+    m = SeededDropout()
+    x = _x(6, 4)
+    step = fxad.joint_step(m, x, compile=False)
+    capsys.readouterr()
+    for _ in range(2):
+        loss, _, pgrads = step(x)
+        printed = capsys.readouterr().out
+        m.zero_grad()
+        eloss = m(x)
+        eloss.backward()
+        assert printed == capsys.readouterr().out
+        torch.testing.assert_close(loss, eloss.detach())
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(pgrads[name], p.grad)
+
+
+def test_build_leaves_the_random_states_alone():
+    x = _x(5, 3)
+    for build in (lambda: fxad.grad(seeded, x), lambda: fxad.grad(numpy_program, x)):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        want = torch.rand(3), np.random.rand(3)
+        torch.manual_seed(0)
+        np.random.seed(0)
+        build()
+        torch.testing.assert_close(torch.rand(3), want[0])
+        np.testing.assert_array_equal(np.random.rand(3), want[1])
+
+
+def test_python_random_draw_is_refused_naming_the_line():
+    import random
+
+    def f(x):
+        if random.random() < 2.0:
+            x = x * 2
+        return x.sum()
+
+    state = random.getstate()
+    with pytest.raises(fxad.errors.CaptureError, match=r"random.random draws a Python value") as e:
+        fxad.grad(f, _x(3))
+    assert e.value.loc is not None and e.value.loc.lineno == f.__code__.co_firstlineno + 1
+    assert "torch.rand(())" in str(e.value)
+    assert random.getstate() == state  # nothing drawn from Python's generator by the build
+
+
+# -- print -----------------------------------------------------------------------------------
+def printing(x):
+    y = torch.tanh(x) * 2
+    print("y norm", torch.linalg.vector_norm(y), "shape", tuple(y.shape))
+    z = y.sum() * 3
+    print("z", z, sep=": ")
+    return z
+
+
+def test_print_replayed_with_real_values(capsys):
+    x = _x(3, 2)
+    g = fxad.grad(printing, x)
+    build_out = capsys.readouterr().out
+    assert build_out == ""  # nothing printed at build time
+    lines = [ln.strip() for ln in g.code.splitlines()]
+    assert any(ln.startswith("print('y norm', ") for ln in lines)
+    assert any(ln.startswith("print('z', ") for ln in lines)
+    for seed in (0, 1):
+        xs = _x(3, 2, seed=seed)
+        _, (d,) = g(xs)
+        got = capsys.readouterr().out
+        with torch.no_grad():
+            printing(xs)
+        want = capsys.readouterr().out
+        assert got == want and "tensor(" in got
+        # the print carries no derivative: the gradient is the plain one
+        _, (ed,) = _eager_grad(printing, xs)
+        capsys.readouterr()
+        torch.testing.assert_close(d, ed)
+
+
+def test_print_order_in_vjp_and_jvp(capsys):
+    def f(x):
+        print("first")
+        y = x.sin()
+        print("second", y.sum())
+        return y.sum()
+
+    x = _x(4)
+    v = fxad.vjp(f, x)
+    capsys.readouterr()
+    v(x, torch.tensor(1.0, dtype=DT))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "first" and out[1].startswith("second tensor(")
+    j = fxad.jvp(f, x)
+    capsys.readouterr()
+    j(x, torch.ones_like(x))
+    assert capsys.readouterr().out.splitlines()[0] == "first"
+
+
+def test_print_of_formatted_tensors(capsys):
+    def f(x):
+        y = x.sin()
+        n = torch.linalg.vector_norm(y)
+        print(f"norm {n:.4f} of {{y}}:", f"{y}", "as str", str(n), "{:.2e}".format(n))
+        return y.sum()
+
+    g = fxad.grad(f, _x(3))
+    assert "'norm {:.4f} of {{y}}:'.format(" in g.code
+    assert capsys.readouterr().out == ""
+    for seed in (1, 2):
+        xs = _x(3, seed=seed)
+        g(xs)
+        got = capsys.readouterr().out
+        with torch.no_grad():
+            f(xs)
+        assert got == capsys.readouterr().out and "<fxad-value" not in got
+
+
+def test_print_inside_a_cond_body_is_announced():
+    def f(x):
+        def pos(x):
+            print("positive branch")
+            return x.sin()
+
+        return torch.cond(x.sum() > 0, pos, lambda x: x.cos(), (x,)).sum()
+
+    with pytest.warns(UserWarning, match="inside a torch.cond / while_loop / scan body"):
+        fxad.grad(f, _x(3))
+
+
+# -- Python effects at build time only ----------------------------------------------------------
+CALLS: list = []
+COUNTER = 0
+
+
+class _Stats:
+    seen = 0
+
+
+STATS = _Stats()
+
+
+def effectful(x):
+    global COUNTER
+    COUNTER += 1
+    CALLS.append(tuple(x.shape))
+    STATS.seen = STATS.seen + 1
+    return x.sum()
+
+
+def test_python_effects_warned_with_their_lines():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fxad.grad(effectful, _x(3))
+    msgs = [str(m.message) for m in w]
+    src = effectful.__code__.co_firstlineno
+    assert any("`COUNTER`" in m and f"test_side_effects.py:{src + 2}" in m for m in msgs), msgs
+    assert any("`CALLS`" in m and f"test_side_effects.py:{src + 3}" in m for m in msgs), msgs
+    assert any("`STATS`" in m and "`seen`" in m and f"test_side_effects.py:{src + 4}" in m
+               for m in msgs), msgs
+
+
+def test_closure_and_module_attribute_effects_warned():
+    log = []
+
+    def f(x):
+        log.append(1)
+        return x.sum()
+
+    with pytest.warns(UserWarning, match=r"outer variable `log` is changed in place"):
+        fxad.grad(f, _x(2))
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x.sum()
+
+    with pytest.warns(UserWarning, match=r"module attribute `calls` is rebound.*self.calls"):
+        fxad.vjp(Counting(), _x(2))
+
+
+def test_pure_program_gives_no_effect_warning():
+    def f(x):
+        scale = 2.0
+        return (x * scale).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxad.grad(f, _x(3))
+
+
+# -- NumPy draws ----------------------------------------------------------------------------------
+def numpy_program(x):
+    perm = np.random.permutation(x.shape[0])
+    noise = torch.from_numpy(np.random.rand(*x.shape))
+    scale = torch.tensor(np.random.uniform(1.0, 2.0, size=(x.shape[1],)))
+    return (x[torch.as_tensor(perm)] * noise * scale).sum()
+
+
+def test_numpy_draws_replayed():
+    x = _x(5, 3)
+    g = fxad.grad(numpy_program, x)
+    assert "numpy.random.permutation(5)" in g.code and "numpy.random.rand(5, 3)" in g.code
+    for seed in (0, 1, 2):
+        np.random.seed(seed)
+        v, (d,) = g(x)
+        np.random.seed(seed)
+        ev, (ed,) = _eager_grad(numpy_program, x)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+
+
+def test_numpy_draw_through_numpy_code_is_refused():
+    def f(x):
+        a = np.random.rand(3) * 2 + 1
+        return (x * torch.tensor(a)).sum()
+
+    line = f.__code__.co_firstlineno
+    with pytest.raises(CaptureError) as e:
+        fxad.grad(f, _x(3))
+    msg = str(e.value)
+    assert f"test_side_effects.py:{line + 1}" in msg and f"test_side_effects.py:{line + 2}" in msg
+
+
+def test_numpy_draw_changed_in_place_is_refused():
+    def f(x):
+        perm = np.random.permutation(3)
+        perm[0] = 0
+        return x[torch.from_numpy(perm)].sum()
+
+    with pytest.raises(CaptureError, match="computed or changed it"):
+        fxad.grad(f, _x(3))
+
+
+def test_numpy_scalar_draw_is_refused():
+    def f(x):
+        if np.random.rand() < 0.5:
+            return x.sum()
+        return x.prod()
+
+    with pytest.raises(CaptureError, match="numpy.random.rand draws a number"):
+        fxad.grad(f, _x(3))
+
+
+def test_saved_code_is_self_contained(tmp_path):
+    x = _x(4, 3)
+    g = fxad.vjp(lambda x: seeded(x) + numpy_program(x), x)
+    g.to_folder(tmp_path / "saved", "Saved")
+    spec = importlib.util.spec_from_file_location("saved_fx", tmp_path / "saved" / "module.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["saved_fx"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        saved = mod.Saved()
+    finally:
+        sys.modules.pop("saved_fx", None)
+    one = torch.tensor(1.0, dtype=DT)
+    np.random.seed(5)
+    a = g(x, one)
+    np.random.seed(5)
+    b = saved(x, one)
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1][0], b[1][0])
+
+
+# -- modules built inside forward -------------------------------------------------------------
+class LossInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=DT)
+
+    def forward(self, x, y):
+        crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(5.0, dtype=DT))
+        return crit(self.lin(x), y) + nn.L1Loss()(x, y)
+
+
+def test_module_without_parameters_built_in_forward():
+    torch.manual_seed(0)
+    m = LossInForward()
+    x, y = _x(4, 3), torch.rand(4, 3, dtype=DT)
+    out, grads, pgrads = fxad.vjp(m, x, y)(x, y, torch.tensor(1.0, dtype=DT))
+    xr = x.clone().requires_grad_()
+    yr = y.clone().requires_grad_()
+    loss = m(xr, yr)
+    loss.backward()
+    torch.testing.assert_close(out, loss.detach())
+    torch.testing.assert_close(grads[0], xr.grad)
+    torch.testing.assert_close(grads[1], yr.grad)
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(pgrads[name], p.grad)
+
+
+def test_module_with_parameters_built_in_forward_is_refused():
+    class Bad(nn.Module):
+        def forward(self, x):
+            return nn.Linear(3, 3, dtype=DT)(x).sum()
+
+    with pytest.raises(CaptureError, match="nn.Parameter is created inside") as e:
+        fxad.vjp(Bad(), _x(2, 3))
+    assert "nn.Linear(3, 3, dtype=DT)(x)" in str(e.value)
