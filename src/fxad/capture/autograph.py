@@ -125,18 +125,21 @@ def depends_on_random(cap: Any, t: Any) -> bool:
     if cap is None or not isinstance(t, torch.Tensor):
         return False
     node = cap.env.get(id(t))
-    if node is None:
-        return False
-    seen, todo = set(), [node]
+    return node is not None and bool(_draws_behind(node))
+
+
+def _draws_behind(node: Any) -> list:
+    """The nodes among ``node`` and its ancestors that draw random numbers."""
+    found, seen, todo = [], set(), [node]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
         if draws_random(n):
-            return True
+            found.append(n)
         todo.extend(n.all_input_nodes)
-    return False
+    return found
 
 
 def _random(v: Any) -> Any:
@@ -185,15 +188,8 @@ def _keep_draws(t: torch.Tensor) -> None:
     them, so that the generated code draws as many numbers as eager PyTorch."""
     cap = current()
     node = cap.env.get(id(t)) if cap is not None else None
-    seen, todo = set(), [node] if node is not None else []
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if draws_random(n):
-            n.meta["fxad_side_effect"] = True
-        todo.extend(n.all_input_nodes)
+    for n in _draws_behind(node) if node is not None else ():
+        n.meta["fxad_side_effect"] = True
 
 
 def and_(*thunks: Callable[[], Any]) -> Any:
