@@ -100,6 +100,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fxad  # noqa: E402
 from fxad.tools.torchvision_import import prepare_torchvision  # noqa: E402
+from bench_fxad import peak_bytes as _peak_bytes  # noqa: E402  (this folder)
 
 # transformers imports torchvision where it is installed; its PyPI wheel is a CUDA build
 # whose import fails beside the CPU torch unless prepared (fxad.tools.torchvision_import)
@@ -369,22 +370,9 @@ def paired(rounds: dict[str, list[float]], num: str, den: str) -> tuple[float, f
 
 def peak_bytes(step: Step) -> float | None:
     """Peak tensor bytes allocated during one step above the level at its start (the CPU
-    profiler's allocation events), after ``step.setup()`` released the previous gradients."""
-    step.setup()  # type: ignore[attr-defined]
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = step()
-            del out
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                  and e.device_type() == torch.autograd.DeviceType.CPU]
-    except Exception:  # private profiler API changed: say so rather than guess
-        return None
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return float(peak)
+    profiler's allocation events, as bench_fxad measures them), after ``step.setup()``
+    released the previous gradients."""
+    return _peak_bytes(step, torch.device("cpu"), step.setup)  # type: ignore[attr-defined]
 
 
 def op_profile(step: Step, steps: int = 3) -> tuple[collections.Counter, collections.Counter]:
