@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, InplaceError, SourceLoc
+from ..graph.fastmeta import fast_meta
 from ..graph.proxy import compute_meta, reference_of, to_fake, user_source_loc
 from ..graph.shapes import OUTPUT_META
 from .effects import is_numpy_array, numpy_node
@@ -240,7 +241,10 @@ class Session:
         try:
             with torch._C.DisableTorchFunction():
                 try:
-                    out = run(*fargs, **fkwargs)
+                    out = fast_meta(func, fargs, fkwargs, history=True) \
+                        if symbolic() and run is func else NotImplemented
+                    if out is NotImplemented:
+                        out = run(*fargs, **fkwargs)
                     if symbolic():
                         note_index_bounds(self, func, fargs, fkwargs, out)
                     return out

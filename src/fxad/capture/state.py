@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..graph import proxy
+from ..graph.fastmeta import fake_like
 
 _STATE = threading.local()
 
@@ -71,6 +72,9 @@ def snapshot(v: Any) -> Any:
     user-visible object's shape does not reach it) and without autograd history."""
     def one(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
+            fresh = fake_like(t)  # symbolic sizes: without PyTorch's detach dispatch
+            if fresh is not None:
+                return fresh
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 return t.detach()
         return t

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, SourceLoc
+from .fastmeta import fast_meta
 from .shapes import OUTPUT_META
 from .sizes import check_squeeze
 from ..naming import describe_target  # noqa: F401  (re-exported: capture's own name for it)
@@ -83,6 +84,7 @@ _STDLIB_DIR = os.path.dirname(contextlib.__file__)
 # fxad's own machinery (not its demo models), torch, and the standard library proper
 _SKIP_DIRS = tuple(os.path.join(d, "") for d in (
     os.path.join(_FXAD_DIR, "capture"), os.path.join(_FXAD_DIR, "ad"),
+    os.path.join(_FXAD_DIR, "graph"),
     os.path.join(_FXAD_DIR, "rules"), os.path.join(_FXAD_DIR, "simplify"),
     os.path.join(_FXAD_DIR, "codegen"), os.path.join(_FXAD_DIR, "check"),
     os.path.join(_FXAD_DIR, "training"), _TORCH_DIR))
@@ -324,6 +326,9 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
             with mode:
                 if target in OUTPUT_META:  # the op's fake execution would need data
                     return OUTPUT_META[target](*fargs, **fkwargs)
+                out = fast_meta(target, fargs, fkwargs)  # symbolic sizes: see fastmeta
+                if out is not NotImplemented:
+                    return out
                 try:
                     return target(*fargs, **fkwargs)
                 except RuntimeError as e:
@@ -346,6 +351,9 @@ def _compute_meta(graph_owner: torch.nn.Module | None, kind: str, target: Any,
             with mode:  # in-place: do not mutate the metadata of the input node
                 self_v = self_v.clone()
         with mode:
+            out = fast_meta(("method", target), fargs, fkwargs)
+            if out is not NotImplemented:
+                return out
             try:
                 return getattr(self_v, target)(*rest, **fkwargs)
             except RuntimeError as e:
