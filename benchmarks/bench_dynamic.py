@@ -104,10 +104,12 @@ def step_times(rounds: int) -> None:
             rows[k].append(_median_ms(fn, 5))
     base = statistics.median(rows["static code"])
     print(f"\n2. step time (value and gradients), GPT 2 blocks d=128, B=4, T=64 "
-          f"(median of {rounds} rounds; ms, ratio to the static code)")
+          f"(median of {rounds} rounds; ms, ratio to the static code; paired: the median of "
+          f"each round's own ratio, steadier on a shared machine)")
     for k, v in rows.items():
         med = statistics.median(v)
-        print(f"   {k:28s} {med:8.2f}  {med / base:5.3f}")
+        paired = statistics.median(a / b for a, b in zip(v, rows["static code"]))
+        print(f"   {k:28s} {med:8.2f}  {med / base:5.3f}  paired {paired:5.3f}")
 
 
 def length_loop() -> None:
@@ -142,7 +144,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     build_times([1, 2, 8] if args.quick else [1, 2, 8, 32], 3 if args.quick else 5)
-    step_times(5 if args.quick else 15)
+    step_times(5 if args.quick else 30)
     length_loop()
 
 

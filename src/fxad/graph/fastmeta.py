@@ -34,7 +34,8 @@ Formulas (sizes only; PyTorch's meta kernels / ``torch._decomp`` give the same):
   a Python number → like the first
 * ``sum(x, dims, keepdim)`` over explicit dimensions → the reduced sizes
 * ``matmul(a (..., m, k), b (k, n))`` and ``mm``/2-d ``matmul`` → ``(..., m, n)``
-* ``t``/``transpose``: the sizes and strides swapped
+* ``t``/``transpose``: the sizes and strides swapped; ``unsqueeze``: a size-1 dimension;
+  ``split`` of an integer-sized dimension into integer pieces: views at their offsets
 * ``reshape``/``view`` to sizes that split or merge runs of dimensions lying contiguously in
   memory (one ``-1`` inferred where the quotient is exact as written) → a view's sizes and
   strides
@@ -125,16 +126,17 @@ def _empty_strided(like: torch.Tensor, shape: tuple, strides: Any,
     return FakeTensor(mode, meta, like.device)
 
 
-def _view(t: torch.Tensor, shape: tuple, strides: Any) -> torch.Tensor:
-    """A view of ``t`` (sharing its storage, at its storage offset) of ``shape``/``strides``:
+def _view(t: torch.Tensor, shape: tuple, strides: Any, offset: Any = None) -> torch.Tensor:
+    """A view of ``t`` (sharing its storage, at ``offset``, by default ``t``'s) of
+    ``shape``/``strides``:
     PyTorch's meta kernel of ``as_strided`` run directly on the fake tensor's meta data, as
     the fake mode itself runs kernels, without the fake mode's bookkeeping around it."""
     mode = getattr(t, "fake_mode", None)
+    offset = t.storage_offset() if offset is None else offset
     if mode is None or not isinstance(t, FakeTensor):
-        return t.as_strided(shape, tuple(strides))
+        return t.as_strided(shape, tuple(strides), offset)
     with in_kernel_invocation_manager(mode), torch.no_grad():
-        out = torch.ops.aten.as_strided.default(t, list(shape), list(strides),
-                                                t.storage_offset())
+        out = torch.ops.aten.as_strided.default(t, list(shape), list(strides), offset)
     return FakeTensor(mode, out, t.device)
 
 
@@ -281,6 +283,38 @@ def _t(input: Any) -> Result:
     if not isinstance(input, torch.Tensor) or input.dim() != 2:
         return NotImplemented
     return _swapped(input, 0, 1)
+
+
+def _unsqueeze(input: Any, dim: int) -> Result:
+    """A size-1 dimension inserted at ``dim``: stride ``stride[dim] * size[dim]`` (1 at the
+    end), as PyTorch's ``unsqueeze``."""
+    if not isinstance(input, torch.Tensor) or input.layout != torch.strided \
+            or not isinstance(dim, int) or not -input.dim() - 1 <= dim <= input.dim():
+        return NotImplemented
+    d = dim % (input.dim() + 1)
+    size, stride = list(input.shape), list(input.stride())
+    new_stride = stride[d] * size[d] if d < input.dim() else 1
+    return _view(input, (*size[:d], 1, *size[d:]), (*stride[:d], new_stride, *stride[d:]))
+
+
+def _split(tensor: Any, split_size_or_sections: Any, dim: int = 0) -> Result:
+    """``split`` into pieces of an integer size along a dimension of integer size: views at
+    offsets ``i * size * stride[dim]``."""
+    size = split_size_or_sections
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided \
+            or type(size) is not int or size <= 0 or not isinstance(dim, int) \
+            or not -tensor.dim() <= dim < tensor.dim():
+        return NotImplemented
+    d = dim % tensor.dim()
+    n = tensor.shape[d]
+    if _is_sym(n) or n == 0:
+        return NotImplemented
+    shape, stride = list(tensor.shape), list(tensor.stride())
+    base, out = tensor.storage_offset(), []
+    for start in range(0, n, size):
+        shape[d] = min(size, n - start)
+        out.append(_view(tensor, tuple(shape), stride, base + start * stride[d]))
+    return tuple(out)
 
 
 def _inferred(shape: tuple, numel: Any) -> tuple | None:
@@ -454,6 +488,12 @@ FAST_META: dict[Any, Callable[..., Result]] = {
     torch.Tensor.t: _t,
     torch.Tensor.reshape: _reshape,
     torch.Tensor.view: _reshape,
+    torch.unsqueeze: _unsqueeze,
+    ("method", "unsqueeze"): _unsqueeze,
+    torch.Tensor.unsqueeze: _unsqueeze,
+    torch.split: _split,
+    ("method", "split"): _split,
+    torch.Tensor.split: _split,
 }
 
 def fast_meta(key: Any, args: tuple, kwargs: dict, *, history: bool = False) -> Result:
