@@ -22,6 +22,9 @@ took it, with a guard line ``fxad_expect(question, operands, taken, where)`` (:f
 that raises :class:`fxad.ValueGuardError` (an :class:`fxad.InputError`) when the value comes
 out differently.  Each such line reads the tensor's value: one device synchronization per
 guard when the program runs on a GPU.
+Decisions on a tensor's memory layout (``x.is_contiguous()``, ``x.stride()``) are guarded
+on the layout of each input the tensor is computed from (question ``"layout"``,
+:func:`layout_of`: metadata only, no synchronization).
 
 A module captured from an ``nn.Module`` also bakes in each submodule's training flag
 (dropout, batch-norm statistics): :func:`install_mode_check` warns with a
@@ -29,18 +32,21 @@ A module captured from an ``nn.Module`` also bakes in each submodule's training 
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from .errors import InputError, ValueGuardError
 from .graph.sizes import expr_of, is_symbolic
 
-__all__ = ["InputSpec", "spec_of", "ModeWarning", "install_mode_check", "expect"]
+__all__ = ["expect_size", "InputSpec", "spec_of", "ModeWarning", "install_mode_check", "expect",
+           "layout_of", "describe_layout"]
 
 
 @dataclass(frozen=True)
@@ -331,7 +337,28 @@ QUESTIONS: dict[str, Any] = {
     "torch.equal": torch.equal, "torch.allclose": torch.allclose,
     "count_nonzero": lambda t: int(torch.count_nonzero(t)),
     "sum_int": lambda t: int(t.sum()),
+    "layout": lambda t: layout_of(t),
 }
+
+
+def describe_layout(shape: Sequence[int], stride: Sequence[int], offset: int) -> Any:
+    """The memory layout a guard compares: ``"contiguous"`` for row-major strides
+    (``torch._prims_common.make_contiguous_strides_for(shape)``, size-1 dimensions included)
+    and storage offset 0, else ``(stride, storage_offset)`` as plain tuples of ints."""
+    stride = tuple(int(v) for v in stride)
+    if int(offset) == 0 and stride == tuple(
+            int(v) for v in make_contiguous_strides_for(tuple(int(d) for d in shape))):
+        return "contiguous"
+    return stride, int(offset)
+
+
+def layout_of(t: torch.Tensor) -> Any:
+    """:func:`describe_layout` of ``t`` (a strided tensor of any shape and dtype): the
+    answer the guard question ``"layout"`` compares with the build-time one.  Equal layouts
+    (with the shape and dtype the input spec checks) give a program the same answers to every
+    question about layout (``is_contiguous()``, ``stride()``, ``storage_offset()``), for the
+    input and for every tensor computed from it."""
+    return describe_layout(t.shape, t.stride(), t.storage_offset())
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -382,6 +409,15 @@ def expect(question: str, operands: tuple, taken: Any, where: str,
     now = QUESTIONS[question](*operands, **(options or {}))
     if _same(now, taken):
         return
+    if question == "layout":
+        raise ValueGuardError(
+            f"{where}: the program reads the memory layout of a tensor computed from this "
+            f"input, and the code was built for an input laid out {_layout_text(taken)}, but "
+            f"for these inputs it is laid out {_layout_text(now)} (fxad takes Python decisions "
+            "on memory layouts at build time and checks them on every call)", where=where,
+            taken=taken, now=now,
+            hint="rebuild for these inputs (fxad.compile does so by itself), or pass inputs "
+                 "laid out like the example inputs (.contiguous())")
     asked = f"{question}(...)"
     raise ValueGuardError(
         f"{where}: the code was built for {asked} = {_brief(taken)}, but for these inputs it "
@@ -392,6 +428,38 @@ def expect(question: str, operands: tuple, taken: Any, where: str,
              "b), or torch.cond for two code paths), or pass the value as an argument")
 
 
+def _layout_text(layout: Any) -> str:
+    if layout == "contiguous":
+        return "contiguously (row-major strides, storage offset 0)"
+    return f"with strides {layout[0]} and storage offset {layout[1]}"
+
+
+_RELATIONS = {"==": operator.eq, "!=": operator.ne, "<=": operator.le, "<": operator.lt,
+              ">=": operator.ge, ">": operator.gt}
+
+
+def expect_size(relation: str, lhs: int, rhs: int, text: str, where: str) -> None:
+    """Guard line of generated code for an assumption about sizes read from tensor data on
+    every call (a split's sizes drawn anew each call summing to the split dimension):
+    ``lhs relation rhs`` must hold.
+
+    Args:
+        relation: ``"=="``, ``"!="``, ``"<="``, ``"<"``, ``">="`` or ``">"``.
+        lhs, rhs: the two sides, computed by the generated code on this call.
+        text: the assumption in the program's names (``expert_size[0] + ... == 32``).
+        where: the user's line that made it (``"model.py:12 `x.split(sizes)`"``).
+
+    Raises:
+        InputError: the assumption fails on this call; the message names ``where``.
+    """
+    if _RELATIONS[relation](lhs, rhs):
+        return
+    raise InputError(
+        f"{where}: the code assumes {text}, which fails on this call ({lhs} {relation} "
+        f"{rhs} is false)", hint="these sizes are read from tensor data on every call; the "
+                                 "program's eager run fails on them too")
+
+
 def _register_expect() -> None:
     try:
         from torch.fx.graph import _register_custom_builtin
@@ -399,6 +467,9 @@ def _register_expect() -> None:
         return
     _register_custom_builtin("fxad_expect", "from fxad.guards import expect as fxad_expect",
                              expect)
+    _register_custom_builtin("fxad_expect_size",
+                             "from fxad.guards import expect_size as fxad_expect_size",
+                             expect_size)
 
 
 _register_expect()

@@ -54,7 +54,7 @@ from .errors import InputError
 from .guards import install_mode_check
 from .rules.fallback import warn_fallbacks
 from .rules.fused import fused_kernels
-from .symbolic import symbolic_build, wants_symbolic
+from .symbolic import build_with_sizes, no_read_sizes, symbolic_build, wants_symbolic
 
 __all__ = ["argnum_positions", "keyword_call", "keyword_argnums", "example_keywords",
            "value_policy", "build_vjp", "static_vjp", "build_jvp", "static_jvp", "build_hvp",
@@ -234,7 +234,7 @@ def build_vjp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], si
 
     with value_policy(values):
         if not wants_symbolic(dynamic, dynamic_shapes):
-            out = one(inputs)
+            out = build_with_sizes(one, argument_names(callee, len(inputs)), inputs)
         else:
             out = symbolic_build(one, argument_names(callee, len(inputs)), inputs,
                                  dynamic=dynamic,
@@ -372,7 +372,7 @@ def build_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], si
 
     with value_policy(values):
         if not wants_symbolic(dynamic, dynamic_shapes):
-            out = one(inputs)
+            out = build_with_sizes(one, argument_names(callee, len(inputs)), inputs)
         else:
             out = symbolic_build(one, argument_names(callee, len(inputs)), inputs,
                                  dynamic=dynamic, dynamic_shapes=_padded_shapes(
@@ -422,6 +422,7 @@ def build_hvp(f: Callable, example_inputs: tuple, *, argnums: Any,
                       simplify=simplify, seed_ones=True, dynamic=dynamic,
                       dynamic_shapes=_padded_shapes(dynamic_shapes, n_pos, len(inputs)),
                       values=values)
+    no_read_sizes(g, "fxad.hvp")
 
     def jvp_of_grad(xs: tuple) -> JVPModule:
         return static_jvp(g, xs, leaf_modules=leaf_modules, simplify=simplify,

@@ -49,19 +49,22 @@ import torch.fx as fx
 import torch.fx.experimental._config as _shape_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                   StatelessSymbolicContext)
+from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode,
+                                                   ShapeEnv, StatelessSymbolicContext)
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
+from .capture.decisions import UnbackedSizesNeeded, size_assumption
 from .capture.state import capturing, symbolic_shapes
-from .errors import CaptureError, InputError, SourceLoc
+from .capture.state import current as current_capture
+from .errors import CaptureError, DataDependentError, InputError, SourceLoc
 from .graph.proxy import user_source_loc
-from .graph.sizes import expr_of, is_symbolic, python_source, size_names, unbacked_sizes
+from .graph.sizes import expr_of, is_symbolic, python_source, size_names
 from .graph.symcache import memoized
 from .guards import InputSpec
 
-__all__ = ["ShapePlan", "plan_shapes", "wants_symbolic", "symbolic_build"]
+__all__ = ["ShapePlan", "plan_shapes", "wants_symbolic", "symbolic_build", "build_with_sizes",
+           "no_read_sizes"]
 
 _DimType = type(Dim("_probe"))
 _Hint = type(Dim.AUTO)
@@ -113,6 +116,38 @@ class _LocatedShapeEnv(ShapeEnv):
         if capturing() and a not in getattr(self, "fxad_replaced_at", {}):
             self.__dict__.setdefault("fxad_replaced_at", {})[a] = user_source_loc()
         super()._set_replacement(a, tgt, msg)
+
+    def _make_data_dependent_error(self, expr: Any, unhinted_expr: Any, *,
+                                   expr_sym_node_id: int | None = None) -> Any:  # noqa: D102
+        err = super()._make_data_dependent_error(expr, unhinted_expr,
+                                                 expr_sym_node_id=expr_sym_node_id)
+        err.fxad_loc = user_source_loc() if capturing() else None
+        names = {s: str(s) for s in expr.free_symbols}
+        names.update(getattr(self, "fxad_symbol_names", {}))
+        names.update(self.__dict__.get("fxad_unbacked_names", {}))
+        try:
+            err.fxad_expr = python_source(expr, names)
+        except Exception:  # noqa: BLE001 - a sympy function without a Python form
+            err.fxad_expr = str(expr)
+        return err
+
+    def guard_or_defer_runtime_assert(self, orig_expr: Any, msg: str,
+                                      fx_node: Any = None) -> bool:
+        """An assumption about unbacked sizes (read from tensor data,
+        :func:`fxad.capture.decisions.drawn_sizes`) becomes a guard line at this place of
+        the capture (:func:`fxad.capture.decisions.size_assumption`); one made after
+        capture (by a derivative rule) is kept in ``fxad_late_asserts``."""
+        before = [a for asserts in self.deferred_runtime_asserts.values() for a in asserts]
+        out = super().guard_or_defer_runtime_assert(orig_expr, msg, fx_node)
+        new = [a for asserts in self.deferred_runtime_asserts.values() for a in asserts
+               if not any(a is b for b in before)]
+        for a in new:
+            cap = current_capture()
+            if cap is not None:
+                size_assumption(cap, a.expr, user_source_loc())
+            else:
+                self.__dict__.setdefault("fxad_late_asserts", []).append(a.expr)
+        return out
 
 
 @dataclass
@@ -404,6 +439,7 @@ def plan_shapes(names: list[str], examples: tuple, *, dynamic: Any = None,
     env.guards = _GuardLog()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     plan = ShapePlan(list(names), tuple(examples), env, mode, specs=specs, oblivious=oblivious)
+    env.fxad_symbol_names = plan.symbol_names  # for the text of size guards
     by_name: dict[str, tuple[tuple[int, int, int], Any]] = {}
     fakes = []
     with _shape_config.patch(backed_size_oblivious=oblivious), memoized(env):
@@ -480,24 +516,107 @@ def symbolic_build(build: Any, names: list[str], examples: tuple, *, dynamic: An
     """
     plan = plan_shapes(names, examples, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     try:
-        with plan.building():
+        with plan.building(), _decisions_on_read_sizes():
             out = build(plan.fakes)
             _no_unbacked(out)
     except CaptureError:
         plan = plan_shapes(names, examples, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
                            oblivious=False)
-        with plan.building():
+        with plan.building(), _decisions_on_read_sizes():
             out = build(plan.fakes)
             _no_unbacked(out)
     plan.finish(out)
     return out
 
 
+@contextlib.contextmanager
+def _decisions_on_read_sizes() -> Iterator[None]:
+    """A Python decision on a size read from tensor data on every call (``if n > 2:`` of an
+    unbacked size) raises :class:`~fxad.DataDependentError` naming the line, instead of
+    PyTorch's ``GuardOnDataDependentSymNode``."""
+    try:
+        yield
+    except GuardOnDataDependentSymNode as e:
+        loc = getattr(e, "fxad_loc", None)
+        raise DataDependentError(
+            f"a Python decision on sizes read from tensor data on every call "
+            f"(`{getattr(e, 'fxad_expr', '?')}`): their values change from call to call, so "
+            "fxad cannot specialize the code on the decision",
+            op="decision on a data-dependent size", loc=loc,
+            hint="compute with the sizes without branching on them, or keep the value as a "
+                 "tensor (torch.where)") from None
+
+
+def no_read_sizes(gm: fx.GraphModule, api: str) -> None:
+    """Refuse to differentiate ``gm`` again (``fxad.hvp``: the JVP of gradient code) when it
+    reads sizes from tensor data on every call (nodes marked ``fxad_unbacked``).
+
+    Raises:
+        DataDependentError: naming the user's line that reads them.
+    """
+    for n in gm.graph.nodes:
+        if n.meta.get("fxad_unbacked"):
+            raise DataDependentError(
+                f"{api} differentiates the gradient code again, which fxad cannot do where "
+                "the code reads sizes from tensor data on every call (sizes computed from a "
+                "random draw, or values='guard+unbacked')", op="size read from tensor data",
+                loc=n.meta.get("fxad_loc"),
+                hint="take the Hessian-vector product with torch.func over the eager program, "
+                     "or keep these sizes fixed")
+
+
+def build_with_sizes(build: Any, names: list[str], examples: tuple) -> fx.GraphModule:
+    """``build(examples)``, the static build; made again on a ShapeEnv (every input size
+    static) when the program reads sizes from tensor data drawn anew on every call
+    (:func:`fxad.capture.decisions.drawn_sizes`): those sizes are unbacked ``SymInt``\\ s
+    through capture, rules and engines, read by the generated code on every call."""
+    try:
+        return build(examples)
+    except UnbackedSizesNeeded:
+        return symbolic_build(build, names, examples, dynamic=False, dynamic_shapes=None)
+
+
 def _no_unbacked(gm: fx.GraphModule) -> None:
     """Refuse a build with a size PyTorch could not express in the input sizes (an unbacked
-    symbol, from a decision it left open)."""
-    bad = unbacked_sizes(gm.graph)
+    symbol, from a decision it left open), other than the sizes the program read from
+    tensor data (nodes marked ``fxad_unbacked``), which the code reads on every call."""
+    read: set = set()
+    for n in gm.graph.nodes:
+        if n.meta.get("fxad_unbacked"):
+            v = n.meta["val"]
+            read.update(expr_of(u) for u in (v if isinstance(v, list) else [v]))
+    env = next((u.node.shape_env for u in _unbacked_of(gm)), None)
+    late = getattr(env, "fxad_late_asserts", []) if env is not None else []
+    if late:
+        raise CaptureError(
+            f"the derivative code assumes {late[0]} of sizes read from tensor data, which "
+            "fxad cannot check on a call; build this program without those sizes")
+    bad = [desc for desc, syms in _bad_symbols(gm) if not syms <= read]
     if bad:
         raise CaptureError(
             f"a size of the derivative code could not be written in the input sizes "
             f"({bad[0]}); build this program with static shapes (without dynamic=)")
+
+
+def _unbacked_of(gm: fx.GraphModule) -> list[Any]:
+    """The SymInts the program read from tensor data (nodes marked ``fxad_unbacked``)."""
+    out: list[Any] = []
+    for n in gm.graph.nodes:
+        if n.meta.get("fxad_unbacked"):
+            v = n.meta["val"]
+            out.extend(v if isinstance(v, list) else [v])
+    return [u for u in out if isinstance(u, torch.SymInt)]
+
+
+def _bad_symbols(gm: fx.GraphModule) -> list[tuple[str, set]]:
+    """``(name: shape, unbacked symbols)`` of each node whose value has a size with an
+    unbacked symbol."""
+    out = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        ts = [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+        syms = {x for t in ts for s in t.shape if isinstance(s, torch.SymInt)
+                for x in s.node.expr.free_symbols if str(x).startswith("u")}
+        if syms:
+            out.append((f"{n.name}: {tuple(ts[0].shape)}", syms))
+    return out

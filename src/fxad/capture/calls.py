@@ -44,6 +44,9 @@ DATA_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "
                 "__index__", "__array__", "__contains__", "data_ptr", "equal", "allclose",
                 "is_nonzero", "__array_wrap__"}
 DATA_FUNCTIONS = {torch.equal, torch.allclose, torch.is_nonzero}
+# methods that read a tensor's memory layout as Python values (guarded on the inputs' layouts)
+LAYOUT_METHODS = {"is_contiguous", "stride", "storage_offset", "is_non_overlapping_and_dense",
+                  "dim_order"}
 # methods that end in "_" but are not in-place value updates
 NOT_INPLACE = {"requires_grad_", "share_memory_", "retain_grad", "pin_memory_"}
 # in-place random draws: they overwrite every element (no out-of-place method)

@@ -62,6 +62,7 @@ def subgraph(cap: Any, fn: Callable, operands: Sequence[Any], name: str
     tensors it reads from outside (returned, in order, as the second item)."""
     sub = cap.subcapture()
     sub.lift = []
+    sub.outer = (cap, tuple(operands))  # layout reads inside are guarded on the outer inputs
     values = []
     for i, v in enumerate(operands):
         ph = sub.graph.placeholder(f"arg{i}")

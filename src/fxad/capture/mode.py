@@ -21,12 +21,14 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, DataDependentError, InplaceError
 from ..graph.proxy import describe_target, user_source_loc
-from .calls import (DATA_FUNCTIONS, DATA_METHODS, IDUNDER, NOT_INPLACE, VIEW_PROPERTIES,
-                    call_body, method_name, node_form, out_of_place_function, takes_callable)
+from .calls import (DATA_FUNCTIONS, DATA_METHODS, IDUNDER, LAYOUT_METHODS, NOT_INPLACE,
+                    VIEW_PROPERTIES, call_body, method_name, node_form, out_of_place_function,
+                    takes_callable)
 from .decisions import (current_policy, data_dependent_size, decide, has_examples,
-                        python_sizes, question_of)
+                        python_sizes, question_of, read_layout)
 from .effects import formatted
 from .inplace import inplace, setitem
+from .printed import printed_number
 from .state import has_tensor
 from .values import is_data_dependent, known_answer, note_known
 from .views import note_views
@@ -60,6 +62,12 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
         text = formatted(cap, method, args)  # (fxad.capture.effects: re-formatted by print)
         if text is not None:
             return text
+    if method in ("item", "__float__", "__int__"):  # a number read only to be printed:
+        printed = printed_number(cap, method, args)  # read at call time, no guard (printed)
+        if printed is not None:
+            return printed
+    if method in LAYOUT_METHODS and args and isinstance(args[0], torch.Tensor):
+        return read_layout(cap, func, args, kwargs)  # guarded on the inputs' layouts
     if method in DATA_METHODS or func in DATA_FUNCTIONS:
         question = question_of(func, method)
         decides = question is not None and current_policy() != "refuse"

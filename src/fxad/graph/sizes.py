@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.utils._sympy.interp import sympy_interp
 
 from ..errors import CaptureError
@@ -91,6 +91,9 @@ _OPS: dict[str, tuple[Callable, str]] = {
     "or_": (operator.or_, "({} or {})"),
     "not_": (operator.not_, "(not {})"),
 }
+
+
+_SYM_MINMAX = {"minimum": torch.sym_min, "maximum": torch.sym_max}
 
 
 class SizeCode:
@@ -209,10 +212,17 @@ def size_hint(n: Any) -> int:
     estimates such as byte counts, never for decisions about the code)."""
     if isinstance(n, torch.SymInt):
         hint = n.node.hint
+        if hint is None and _unbacked(n.node.expr):  # read from data on every call
+            return int(optimization_hint(n))
         if hint is None:
             raise CaptureError(f"the size {n} has no value at the example inputs")
         return int(hint)
     return int(n)
+
+
+def _unbacked(expr: Any) -> bool:
+    """An expression of sizes read from tensor data (unbacked symbols ``u0``)."""
+    return any(str(x).startswith("u") for x in expr.free_symbols)
 
 
 def unbacked_sizes(graph: fx.Graph) -> list[str]:
@@ -309,7 +319,16 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
                     e = expr_of(s)
                     if isinstance(e, sympy.Symbol) and e not in sources:
                         sources[e] = (ph, path, d)
+    # sizes the program read from tensor data on every call (unbacked symbols): symbol ->
+    # (the node reading them, index in its list or None)
+    read: dict[Any, tuple[fx.Node, int | None]] = {}
+    for n in graph.nodes:
+        if n.meta.get("fxad_unbacked"):
+            v = n.meta["val"]
+            for k, u in enumerate(v) if isinstance(v, list) else [(None, v)]:
+                read[expr_of(u)] = (n, k)
     anchor = placeholders[-1] if placeholders else None
+    before: fx.Node | None = None  # a use: sizes of data-dependent values go right before it
     bound: dict[Any, Any] = {}
     symbol_nodes: dict[Any, fx.Node] = {}
     count = 0
@@ -317,7 +336,9 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
     def insert(target: Any, args: tuple, name: str, val: Any, kind: str = "call_function"
                ) -> fx.Node:
         nonlocal anchor
-        if anchor is None:
+        if before is not None:
+            ctx = graph.inserting_before(before)
+        elif anchor is None:
             ctx = graph.inserting_before(next(iter(graph.nodes)))
         else:
             ctx = graph.inserting_after(anchor)
@@ -325,12 +346,28 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
             node = graph.create_node(kind, target, args, {}, name=name)
         node.meta["val"] = val
         node.meta["fxad_size"] = True
-        anchor = node
+        if before is None:
+            anchor = node
+        return node
+
+    def read_node(sym: Any) -> fx.Node:
+        src, k = read[sym]
+        if k is None:
+            node = src
+        else:
+            with graph.inserting_after(src):
+                node = graph.create_node("call_function", operator.getitem, (src, k), {},
+                                         name=f"{src.name}_{k}")
+            node.meta["val"] = src.meta["val"][k]
+            node.meta["fxad_size"] = True
+        symbol_nodes[sym] = node
         return node
 
     def symbol_node(sym: Any) -> fx.Node:
         if sym in symbol_nodes:
             return symbol_nodes[sym]
+        if sym in read:
+            return read_node(sym)
         if sym not in sources:
             raise CaptureError(
                 f"the size {sym} has no source among the inputs of the graph (a size computed "
@@ -350,7 +387,9 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
         fn, template = _OPS[op]
         vals = tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
         text = template.format(*(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
-        return insert(fn, args, _ident(text), fn(*vals))
+        # (min/max of a size read from data: no guard on which is smaller)
+        val = _SYM_MINMAX.get(op, fn)(*vals)
+        return insert(fn, args, _ident(text), val)
 
     def value_of(v: Any) -> Any:
         nonlocal count
@@ -371,6 +410,13 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
         return out
 
     def replace(a: Any) -> Any:
+        nonlocal before
+        if isinstance(a, SYM_TYPES) and read and expr_of(a).free_symbols & read.keys():
+            before = use
+            try:
+                return value_of(a)
+            finally:
+                before = None
         if isinstance(a, SYM_TYPES):
             return value_of(a)
         if isinstance(a, torch.Size):
@@ -386,10 +432,11 @@ def bind_sizes(graph: fx.Graph, names: dict[Any, str] | None = None) -> int:
         return a
     for n in uses:
         fx.node.map_aggregate((n.args, n.kwargs), collect)
+    use: fx.Node | None = None
     for sym in sources:
         if sym in wanted:
             symbol_node(sym)
-    for n in uses:
-        n.args = fx.node.map_aggregate(n.args, replace)
-        n.kwargs = fx.node.map_aggregate(n.kwargs, replace)
+    for use in uses:
+        use.args = fx.node.map_aggregate(use.args, replace)
+        use.kwargs = fx.node.map_aggregate(use.kwargs, replace)
     return count

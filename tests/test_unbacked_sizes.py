@@ -1,0 +1,283 @@
+"""Sizes drawn anew on every call: a data-dependent size computed from a random draw (the
+experts' token counts of a mixture of experts after dropout, read with ``.tolist()``) is an
+unbacked symbolic size through capture, the engines and the generated code, which reads it
+on every call and checks every assumption made about it (float64, against autograd)."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxad
+
+D = torch.float64
+
+
+class TinyMoE(nn.Module):
+    """Top-1 routing after dropout: the token count of each expert changes from call to
+    call; tokens are grouped by expert with ``split(expert_size)``, each group goes through
+    its expert, and the outputs are scattered back with ``index_add``."""
+
+    def __init__(self, d: int = 4, h: int = 6, experts: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts, h, d))
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x, 0.3, training=True)
+        logits = self.router(x)
+        top = logits.argmax(1)
+        counts = F.one_hot(top, self.experts).sum(0)
+        expert_size = counts.tolist()
+        _, order = top.sort(0)
+        parts = x[order].split(expert_size, dim=0)
+        outs = [F.linear(parts[i], self.w[i]) for i in range(self.experts)]
+        y = torch.cat(outs, 0)
+        gate = logits.softmax(1).max(1).values[order]
+        y = y * gate[:, None]
+        return torch.zeros(x.shape[0], y.shape[1], dtype=y.dtype).index_add(0, order, y)
+
+
+def _model() -> TinyMoE:
+    torch.manual_seed(0)
+    return TinyMoE().to(D)
+
+
+def _eager_vjp(m: TinyMoE, x: torch.Tensor, ct: torch.Tensor, seed: int):
+    m.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = m(xr)
+    out.backward(ct)
+    return out.detach(), xr.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+def test_one_build_matches_autograd_on_every_draw():
+    m = _model()
+    x = torch.randn(8, 4, dtype=D)
+    vjp = fxad.vjp(m, x)
+    assert "fxad_expect_size" in vjp.code
+    line = next(s for s in vjp.code.splitlines() if "fxad_expect_size('=='" in s)
+    assert "== 8" in line and "split(expert_size, dim=0)" in line, line
+    sizes = set()
+    for seed in range(6):
+        ct = torch.randn(8, 6, dtype=D)
+        torch.manual_seed(seed)
+        out, (dx,), dparams = vjp(x, ct)
+        ref, ref_dx, ref_dp = _eager_vjp(m, x, ct, seed)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
+        for name, g in ref_dp.items():
+            torch.testing.assert_close(dparams[name], g, rtol=1e-12, atol=1e-12)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            drop = F.dropout(x, 0.3, training=True)
+        sizes.add(tuple(F.one_hot(m.router(drop).argmax(1), 3).sum(0).tolist()))
+    assert len(sizes) > 1  # the sizes did change from call to call
+
+
+def test_grad_of_a_loss_matches_autograd():
+    m = _model()
+    x = torch.randn(8, 4, dtype=D)
+    g = fxad.grad(lambda x: m(x).pow(2).sum(), x)
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = m(xr).pow(2).sum()
+        (ref_dx,) = torch.autograd.grad(ref, xr)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
+
+
+def test_programs_without_such_sizes_keep_their_code():
+    def f(x):
+        return F.dropout(x, 0.5, training=True).sin().sum()
+
+    code = fxad.grad(f, torch.randn(4, dtype=D)).code
+    assert "fxad_expect_size" not in code and ".item()" not in code
+
+
+def bad_split(x: torch.Tensor) -> torch.Tensor:
+    counts = (torch.rand(3) * 4).long()
+    sizes = counts.tolist()
+    parts = x.split(sizes, dim=0)
+    return sum((p * (k + 1)).sum() for k, p in enumerate(parts))
+
+
+def test_a_broken_size_assumption_raises_naming_the_line():
+    x = torch.randn(6, 2, dtype=D)
+    g = fxad.grad(bad_split, x)
+    hit = 0
+    for seed in range(20):
+        torch.manual_seed(seed)
+        drawn = (torch.rand(3) * 4).long()
+        torch.manual_seed(seed)
+        if int(drawn.sum()) == 6:
+            value, (dx,) = g(x)
+            xr = x.clone().requires_grad_()
+            torch.manual_seed(seed)
+            ref = bad_split(xr)
+            torch.testing.assert_close(value, ref.detach())
+            torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0])
+            continue
+        with pytest.raises(fxad.InputError) as e:
+            g(x)
+        msg = str(e.value)
+        where = r"test_unbacked_sizes\.py:\d+ `parts = x\.split\(sizes, dim=0\)`"
+        assert re.search(where, msg), msg
+        assert "== 6" in msg
+        hit += 1
+    assert hit > 0
+
+
+def test_compile_trains_like_eager():
+    m = _model()
+    ref = _model()
+    x = torch.randn(8, 4, dtype=D)
+    compiled = fxad.compile(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = compiled(x).pow(2).sum()
+        loss.backward()
+        torch.manual_seed(step)
+        ref_loss = ref(x).pow(2).sum()
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        opt.step()
+        ref_opt.step()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    assert len(compiled.builds) == 1
+
+
+def drawn_prefix(x: torch.Tensor) -> torch.Tensor:
+    n = (torch.rand(()) * 4).long().item()
+    return (x[:n] * x[1:n + 1]).sum() + x.new_ones(n).sum() * x.sum()
+
+
+def test_a_drawn_size_in_slices_and_factories_matches_autograd():
+    x = torch.randn(5, dtype=D)
+    g = fxad.grad(drawn_prefix, x)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = drawn_prefix(xr)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+
+
+def decides_on_a_drawn_size(x: torch.Tensor) -> torch.Tensor:
+    n = (torch.rand(()) * 4).long().item()
+    if n > 2:
+        return x.sum()
+    return x.prod()
+
+
+def test_a_decision_on_a_drawn_size_is_refused_naming_the_line():
+    with pytest.raises(fxad.DataDependentError) as e:
+        fxad.grad(decides_on_a_drawn_size, torch.randn(3, dtype=D))
+    msg = str(e.value)
+    assert "if n > 2:" in msg and "`n > 2`" in msg, msg
+
+
+def test_jvp_matches_torch_func_on_every_draw():
+    m = _model()
+    x = torch.randn(8, 4, dtype=D)
+    t = torch.randn(8, 4, dtype=D)
+    jvp = fxad.jvp(m, x)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        out, tangent = jvp(x, t)
+        torch.manual_seed(seed)
+        ref, ref_tangent = torch.func.jvp(m, (x,), (t,))
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(tangent, ref_tangent, rtol=1e-12, atol=1e-12)
+
+
+def test_with_symbolic_input_sizes_too():
+    m = _model()
+    g = fxad.grad(lambda x: m(x).pow(2).sum(), torch.randn(8, 4, dtype=D), dynamic=True)
+    line = next(s for s in g.code.splitlines() if "fxad_expect_size('=='" in s)
+    assert "== x_size_0" in line, line
+    for n in (8, 11):
+        x = torch.randn(n, 4, dtype=D)
+        torch.manual_seed(n)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(n)
+        ref = m(xr).pow(2).sum()
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+
+
+class Routed(nn.Module):
+    """Top-1 routing without dropout: the counts follow the router's weights, which change
+    on every training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = TinyMoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.moe
+        logits = m.router(x)
+        top = logits.argmax(1)
+        expert_size = F.one_hot(top, m.experts).sum(0).tolist()
+        _, order = top.sort(0)
+        parts = x[order].split(expert_size, dim=0)
+        y = torch.cat([F.linear(parts[i], m.w[i]) for i in range(m.experts)], 0)
+        y = y * logits.softmax(1).max(1).values[order][:, None]
+        out = torch.zeros(x.shape[0], y.shape[1], dtype=y.dtype).index_add(0, order, y)
+        return out.pow(2).sum()
+
+
+def _train(values: str, steps: int = 6):
+    torch.manual_seed(0)
+    model = Routed().to(D)
+    ref = Routed().to(D)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(16, 4, dtype=D)
+    compiled = fxad.compile(model, values=values)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    counts = set()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            counts.add(tuple(F.one_hot(ref.moe.router(x).argmax(1), 3).sum(0).tolist()))
+        loss = compiled(x)
+        loss.backward()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    return compiled, counts
+
+
+def test_opting_in_reads_every_integer_size_on_every_call():
+    compiled, counts = _train("guard+unbacked")
+    assert len(counts) > 1  # the routing changed while training
+    assert len(compiled.builds) == 1
+    guarded, _ = _train("guard")  # specialized on the counts: a build per routing
+    assert len(guarded.builds) > 1
+
+
+def test_hvp_of_code_that_reads_sizes_is_refused_naming_the_line():
+    m = _model()
+    with pytest.raises(fxad.DataDependentError) as e:
+        fxad.hvp(lambda x: m(x).pow(2).sum(), torch.randn(8, 4, dtype=D))
+    assert "expert_size = counts.tolist()" in str(e.value), str(e.value)
