@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxad
+from fxad.eject import load
 from fxad.errors import CaptureError
 
 DT = torch.float64
@@ -463,3 +464,248 @@ def test_module_with_parameters_built_in_forward_is_refused():
     with pytest.raises(CaptureError, match="nn.Parameter is created inside") as e:
         fxad.vjp(Bad(), _x(2, 3))
     assert "nn.Linear(3, 3, dtype=DT)(x)" in str(e.value)
+
+
+# -- NumPy seeded inside the program: its draws are constants ----------------------------------
+def _block_table(n: int, seed: int) -> np.ndarray:
+    """Random blocks as BigBird-Pegasus picks them: a seed, permutations of index arrays,
+    slices, a concatenation, Python decisions on the drawn numbers, rows set into zeros."""
+    np.random.seed(seed)
+    middle = np.arange(1, n - 1, dtype=np.int32)
+    table = np.zeros((n - 2, 2), dtype=np.int32)
+    for i in range(n - 2):
+        perm = np.random.permutation(np.concatenate((middle[:i], middle[i + 1:])))
+        picked = [v for v in perm if v not in (0, i + 1)][:2]
+        table[i, :] = picked
+    return table
+
+
+def seeded_numpy_program(x, w):
+    rows = [_block_table(x.shape[0], seed) for seed in (0, 1)]
+    blocks = torch.tensor(np.stack(rows, axis=0), dtype=torch.long)  # (2, n-2, 2)
+    picked = x[blocks]  # (2, n-2, 2, d)
+    noise = torch.from_numpy(np.random.rand(x.shape[1]))
+    return ((picked * w).tanh().sum(dim=(0, 2)) * noise).pow(2).sum()
+
+
+def test_numpy_seeded_inside_draws_are_constants():
+    x, w = _x(6, 3), _x(3, seed=1)
+    g = fxad.grad(seeded_numpy_program, x, w)
+    code = g.code
+    # one line sets NumPy's state (the state eager has after the last draw); no draw replayed
+    assert code.count("numpy.random.set_state(('MT19937', ") == 1, code
+    assert "numpy.random.permutation" not in code and "numpy.random.rand" not in code
+    assert not any(n.target is fxad.guards.expect for n in g.graph.nodes)
+    for seed in range(3):
+        xs, ws = _x(6, 3, seed=10 + seed), _x(3, seed=20 + seed)
+        np.random.seed(100 + seed)
+        v, (dx, dw) = g(xs, ws)
+        after = np.random.get_state()
+        np.random.seed(200 + seed)  # eager's state before the call does not matter either
+        ev, (edx, edw) = _eager_grad(seeded_numpy_program, xs, ws)
+        eafter = np.random.get_state()
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(dx, edx)
+        torch.testing.assert_close(dw, edw)
+        assert after[2:] == eafter[2:] and np.array_equal(after[1], eafter[1])
+
+
+def test_numpy_seeded_inside_in_vjp_and_jvp():
+    x, w = _x(5, 2), _x(2, seed=1)
+    v = fxad.vjp(seeded_numpy_program, x, w)
+    ct = torch.tensor(0.5, dtype=DT)
+    out, (dx, dw) = v(x, w, ct)[:2]
+    ev, (edx, edw) = _eager_grad(seeded_numpy_program, x, w)
+    torch.testing.assert_close(out, ev)
+    torch.testing.assert_close(dx, 0.5 * edx)
+    torch.testing.assert_close(dw, 0.5 * edw)
+    j = fxad.jvp(lambda x: seeded_numpy_program(x, w), x)
+    tx = _x(5, 2, seed=3)
+    out, tan = j(x, tx)
+    _, etan = torch.func.jvp(lambda a: seeded_numpy_program(a, w), (x,), (tx,))
+    torch.testing.assert_close(tan, etan)
+    h = fxad.hvp(lambda x: seeded_numpy_program(x, w), x)
+    _, ehv = torch.autograd.functional.hvp(lambda a: seeded_numpy_program(a, w), x, tx)
+    torch.testing.assert_close(h(x, tx)[1][0], ehv)
+
+
+def test_numpy_state_read_and_restored_inside_is_replayed():
+    def f(x):
+        saved = np.random.get_state()
+        np.random.seed(3)
+        perm = torch.from_numpy(np.random.permutation(np.arange(x.shape[0]))[::-1].copy())
+        np.random.set_state(saved)
+        noise = torch.from_numpy(np.random.rand(*x.shape))  # the caller's stream
+        return (x[perm] * noise).sum()
+
+    x = _x(4, 2)
+    g = fxad.grad(f, x)
+    code = g.code
+    assert "numpy.random.get_state()" in code and "numpy.random.rand(4, 2)" in code
+    for seed in (0, 1):
+        np.random.seed(seed)
+        v, (d,) = g(x)
+        after = np.random.rand(3)
+        np.random.seed(seed)
+        ev, (ed,) = _eager_grad(f, x)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+        np.testing.assert_array_equal(after, np.random.rand(3))
+
+
+def test_numpy_seeded_from_entropy_keeps_replay_or_refusal():
+    def replayed(x):
+        np.random.seed()
+        return (x * torch.from_numpy(np.random.rand(*x.shape))).sum()
+
+    g = fxad.grad(replayed, _x(3))
+    assert "numpy.random.seed()" in g.code and "numpy.random.rand(3)" in g.code
+
+    def computed(x):
+        np.random.seed(None)
+        perm = np.random.permutation(np.arange(3))
+        return x[torch.tensor(perm)].sum()
+
+    line = computed.__code__.co_firstlineno
+    with pytest.raises(CaptureError, match="called with a NumPy array") as e:
+        fxad.grad(computed, _x(3))
+    assert f"test_side_effects.py:{line + 2}" in str(e.value)
+
+    def unseen(x):  # a Generator seeded from entropy: arrays of draws fxad does not see
+        np.random.seed(0)
+        rng = np.random.default_rng()
+        return (x * torch.tensor(rng.random(3))).sum()
+
+    with pytest.raises(CaptureError, match="default_rng"):
+        fxad.grad(unseen, _x(3))
+
+
+def test_numpy_seeded_code_saved_with_to_folder(tmp_path):
+    x, w = _x(6, 3), _x(3, seed=1)
+    g = fxad.vjp(seeded_numpy_program, x, w)
+    g.to_folder(tmp_path / "seeded", "Seeded")
+    spec = importlib.util.spec_from_file_location("seeded_fx", tmp_path / "seeded" / "module.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["seeded_fx"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        saved = mod.Seeded()
+    finally:
+        sys.modules.pop("seeded_fx", None)
+    one = torch.tensor(1.0, dtype=DT)
+    np.random.seed(5)
+    a = g(x, w, one)
+    after = np.random.get_state()
+    np.random.seed(6)
+    b = saved(x, w, one)
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1][0], b[1][0])
+    torch.testing.assert_close(a[1][1], b[1][1])
+    assert np.array_equal(after[1], np.random.get_state()[1])
+
+
+# -- numbers read only to be printed --------------------------------------------------------------
+def printing_numbers(x, w):
+    y = torch.tanh(x @ w)
+    loss = (y * y).mean()
+    print(f"loss {loss.item():.4f} max {y.max().item()!r}")
+    print(float(loss), "{:.2e} of {}".format(y.sum().item(), x.shape[0]), sep=" | ")
+    print("positive", int((y > 0).sum()))
+    return loss
+
+
+@pytest.mark.parametrize("values", ["guard", "refuse"])
+def test_number_read_only_to_print_is_printed_without_a_guard(capsys, values):
+    x, w = _x(4, 3), _x(3, 2, seed=1)
+    g = fxad.grad(printing_numbers, x, w, values=values)
+    assert capsys.readouterr().out == ""  # nothing printed at build time
+    assert not any(n.target is fxad.guards.expect for n in g.graph.nodes)
+    code = g.code
+    assert "'loss {:.4f} max {!r}'.format(" in code and "print(float_" in code
+    for seed in range(3):
+        xs, ws = _x(4, 3, seed=10 + seed), _x(3, 2, seed=20 + seed)
+        v, (dx, dw) = g(xs, ws)  # other values: no InputError
+        got = capsys.readouterr().out
+        ev, (edx, edw) = _eager_grad(printing_numbers, xs, ws)
+        want = capsys.readouterr().out
+        assert got == want and "<fxad-value" not in got and got.count("\n") == 3
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(dx, edx)
+        torch.testing.assert_close(dw, edw)
+
+
+def test_printed_number_in_compile_and_jvp(capsys):
+    class Printing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(_x(3, 2, seed=1))
+
+        def forward(self, x):
+            return printing_numbers(x, self.w)
+
+    m, x = Printing(), _x(4, 3)
+    cm = fxad.compile(m, x)
+    capsys.readouterr()
+    for seed in range(2):
+        xs = _x(4, 3, seed=5 + seed)
+        m.zero_grad()
+        cm(xs).backward()
+        got, grad = capsys.readouterr().out, m.w.grad.clone()
+        m.zero_grad()
+        m(xs).backward()
+        assert got == capsys.readouterr().out
+        torch.testing.assert_close(grad, m.w.grad)
+    w = _x(3, 2, seed=1)
+    j = fxad.jvp(lambda x: printing_numbers(x, w), x)
+    capsys.readouterr()
+    xs, tx = _x(4, 3, seed=7), _x(4, 3, seed=8)
+    _, tan = j(xs, tx)
+    got = capsys.readouterr().out
+    _, etan = torch.func.jvp(lambda a: printing_numbers(a, w), (xs,), (tx,))
+    assert got == capsys.readouterr().out
+    torch.testing.assert_close(tan, etan)
+
+
+def test_number_used_besides_printing_is_still_guarded():
+    def f(x):
+        s = x.sum().item()  # kept in a variable: a value of the program, guarded
+        print(f"s {s:.2f}")
+        return x.sum() * 2
+
+    g = fxad.grad(f, _x(3))
+    assert any(n.target is fxad.guards.expect for n in g.graph.nodes)
+    with pytest.raises(fxad.errors.InputError):
+        g(_x(3, seed=4))
+
+
+def test_printed_number_code_ejects(tmp_path, capsys):
+    x, w = _x(4, 3), _x(3, 2, seed=1)
+    fxad.eject(printing_numbers, x, w, path=tmp_path / "printing.py")
+    ejected = load(tmp_path / "printing.py")
+    capsys.readouterr()
+    xs = _x(4, 3, seed=3)
+    out = ejected.vjp(xs, w, torch.tensor(1.0, dtype=DT))
+    got = capsys.readouterr().out
+    ev, (edx, _) = _eager_grad(printing_numbers, xs, w)
+    assert got == capsys.readouterr().out
+    torch.testing.assert_close(out[1][0], edx)
+
+
+def test_numpy_scalar_draw_after_a_constant_seed_is_a_constant():
+    def f(x):
+        np.random.seed(4)
+        if np.random.rand() < 0.5:  # a decision on a known number: no guard, no refusal
+            x = x * 2
+        return (x * float(np.random.normal())).sum()
+
+    g = fxad.grad(f, _x(3))
+    assert "numpy.random.rand" not in g.code
+    for seed in (0, 1):
+        xs = _x(3, seed=seed)
+        np.random.seed(seed)
+        v, (d,) = g(xs)
+        after = np.random.rand(2)
+        ev, (ed,) = _eager_grad(f, xs)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(d, ed)
+        np.testing.assert_array_equal(after, np.random.rand(2))

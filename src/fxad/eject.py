@@ -59,8 +59,14 @@ _PROVIDED = {"torch": "import torch", "inf": "from math import inf",
              "NoneType": "NoneType = type(None)",
              # side effects replayed by the code (fxad.capture.effects)
              "print": "from builtins import print", "numpy": "import numpy",
+             "float": "from builtins import float", "int": "from builtins import int",
+             "bool": "from builtins import bool", "complex": "from builtins import complex",
+             "fxad_numpy_of": "from fxad.capture.effects import numpy_of as fxad_numpy_of",
              # guards of decisions on tensor values (fxad.capture.decisions)
-             "fxad_expect": "from fxad.guards import expect as fxad_expect"}
+             "fxad_expect": "from fxad.guards import expect as fxad_expect",
+             # layout guards of strided ops (fxad.rules._base)
+             "fxad_expect_layout":
+                 "from fxad.rules._base import expect_layout as fxad_expect_layout"}
 _counter = itertools.count()
 
 

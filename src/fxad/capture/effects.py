@@ -14,21 +14,30 @@ step), so they run on every call, ordered with the random ops around them:
   among its arguments are the graph's values; a print never carries a derivative).  Text the
   program's own code formats from a traced tensor (an f-string, ``str(t)``,
   ``"{:.3f}".format(t)``) is a marker while tracing (:func:`formatted`), and a ``print`` of it
-  prints ``'...{:.3f}'.format(t)`` of the call's values;
-* NumPy's global random draws (``np.random.rand``, ``randn``, ``randint``, ``permutation``,
-  ``choice``, ``normal``, ``uniform``, ``seed``...): each draw is a line of the code, so NumPy's
-  state advances as in eager code, and an array drawn there that becomes a tensor directly
+  prints ``'...{:.3f}'.format(t)`` of the call's values.  A number read from a tensor only to
+  be printed, in the print's own line (``print(f"{loss.item():.3f}")``, ``print(float(t))``),
+  is read at call time too (``float_1 = float(loss)``), with no value guard
+  (:func:`fxad.capture.printed.printed_number`: the line's syntax tree says where the
+  number goes);
+* NumPy's global random draws (every draw of its global ``RandomState``, and ``seed``,
+  ``get_state``, ``set_state``): each draw is a line of the code, so NumPy's state advances as
+  in eager code, and an array drawn there that becomes a tensor directly
   (``torch.tensor(a)``, ``torch.from_numpy(a)``, ``torch.as_tensor(a)``) is the value of that
   line.  An array that went through further NumPy computation first cannot be replayed: that
-  conversion raises :class:`~fxad.errors.CaptureError` naming the draws and the conversion.
+  conversion raises :class:`~fxad.errors.CaptureError` naming the draws and the conversion;
+* NumPy seeded inside the program with a constant (``np.random.seed(0)``, or ``set_state``
+  of a known state): NumPy's state is known at build time from there, so its draws and the
+  NumPy code on them run for real and are constants (an array becoming a tensor is read from
+  a constant of the module, :func:`numpy_of`); one line at the seed's place sets NumPy's state
+  to the one eager code has after those draws (:func:`_open_stretch`).
 
 A ``torch.Generator`` argument of the program is a placeholder the random ops draw from
 (:meth:`fxad.capture.session.Session.arg`); one the program reseeds itself is restored and
 announced (:func:`generator_inputs_kept`).  Capture leaves NumPy's global state as it found
-it (:func:`numpy_state_kept`).  A draw from Python's ``random`` module is a Python value the code
-would fix at build time: refused with :class:`~fxad.errors.CaptureError` naming the line.  Other effects (a global
-counter, an outer list appended to, an attribute set on an outer object or a module) are
-announced by :mod:`fxad.capture.python_state`.
+it (:func:`numpy_state_kept`).  A draw from Python's ``random`` module is a Python value the
+code would fix at build time: refused with :class:`~fxad.errors.CaptureError` naming the line.
+Other effects (a global counter, an outer list appended to, an attribute set on an outer
+object or a module) are announced by :mod:`fxad.capture.python_state`.
 
 Only calls made by the program's own code are recorded (not torch's or fxad's: a checkpoint
 saving the RNG state), and not inside a control-flow body (a ``print`` there is announced).
@@ -47,9 +56,11 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import CaptureError, SourceLoc
 from ..graph.proxy import to_fake, user_source_loc
+from .printed import marker, printed_node
 from .state import current, has_tensor
 
 try:
@@ -58,13 +69,13 @@ try:
 except ImportError:  # pragma: no cover - torch without NumPy
     np = np_random = None  # type: ignore[assignment]
 
-# NumPy's module-level draws (its global RandomState), and its seeding
-NUMPY_DRAWS = ("rand", "randn", "randint", "random", "random_sample", "ranf", "sample",
-               "uniform", "normal", "standard_normal", "permutation", "choice", "shuffle",
-               "binomial", "poisson", "exponential", "beta", "gamma", "laplace", "logistic",
-               "lognormal", "multinomial", "geometric", "standard_exponential",
-               "standard_gamma", "standard_cauchy", "standard_t", "triangular", "bytes",
-               "random_integers", "seed", "set_state")
+# NumPy's module-level draws (the methods of its global RandomState), and its seeding
+NUMPY_DRAWS = tuple(sorted(
+    {n for n in dir(np_random) if not n.startswith("_")
+     and getattr(getattr(np_random, n), "__self__", None) is getattr(
+         getattr(np_random, "mtrand", None), "_rand", object())}
+    | {"seed", "ranf", "sample", "random_sample", "get_state", "set_state"})) \
+    if np_random is not None else ()
 _TORCH_SEEDING = (("manual_seed", torch), ("manual_seed", torch.random),
                   ("set_rng_state", torch), ("set_rng_state", torch.random),
                   ("get_rng_state", torch), ("get_rng_state", torch.random))
@@ -192,10 +203,8 @@ def formatted(cap: Any, method: str, args: tuple) -> str | None:
     if not args or id(args[0]) not in cap.env or cap.lift is not None \
             or not _formatted_by_user():
         return None
-    table = cap.__dict__.setdefault("formatted", [])
     spec = args[1] if method == "__format__" and len(args) > 1 else ""
-    table.append((args[0], method, spec))
-    return f"<fxad-value {len(table) - 1}>"
+    return marker(cap, args[0], method, spec)
 
 
 def _format_node(cap: Any, text: str) -> Any:
@@ -240,6 +249,7 @@ def _print(orig: Any) -> Any:
         if cap is None or kwargs.get("file") is not None:
             return orig(*args, **kwargs)
         loc = user_source_loc()
+        args = tuple(printed_node(cap, a) for a in args)
         if any(isinstance(a, str) and _MARK.search(a) for a in args):
             # text formatted from tensors (f"y {y:.3f}"): formatted again at call time
             args = tuple(_format_node(cap, a) if isinstance(a, str) else a for a in args)
@@ -267,20 +277,112 @@ def _print(orig: Any) -> Any:
 
 
 # -- NumPy's global random draws ---------------------------------------------------------------
+# A stretch of the program in which NumPy's global state is known at build time: from an
+# in-program ``np.random.seed(c)`` (or ``set_state`` of a known state) to the next seeding
+# from entropy, a ``set_state`` of a state read inside the program, or the end.  Its draws
+# run for real at build time and are constants; the generated code sets the state at the
+# seed's place to the state eager code has after the stretch's last draw (the 624-word
+# MT19937 key a constant of the module), so NumPy's state leaves the call as eager leaves it.
+_OPEN_STRETCHES: list[list[Any]] = []
+_NP_GET_STATE = np_random.get_state if np_random is not None else None
+_NP_SET_STATE = np_random.set_state if np_random is not None else None
+
+
+def _open_stretch(cap: Any) -> None:
+    """Start a known-state stretch at this point of the program (NumPy has just been seeded
+    for real): a ``numpy.random.set_state`` line whose state :func:`_close_stretch` fills."""
+    if getattr(cap, "numpy_stretch", None) is not None:
+        return  # still known: the stretch goes on (one state line for both seeds)
+    name, key, pos, has_gauss, cached = _NP_GET_STATE()
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        words = torch.from_numpy(np.asarray(key, dtype=np.int64).copy())
+    key_node = cap.graph.create_node("call_function", numpy_of,
+                                     (cap.arg(words, "numpy.random.seed"),), {}, name="key")
+    key_node.meta.update(val=np.asarray(key, dtype=np.int64).copy(), fxad_no_grad=True)
+    cap.stamp(key_node)
+    node = record_effect(cap, _NP_SET_STATE,
+                         ((name, key_node, int(pos), int(has_gauss), float(cached)),), {},
+                         None, "numpy.random.seed")
+    cap.numpy_stretch = (node, words)
+    cap.numpy_seeded = True
+    if _OPEN_STRETCHES:
+        _OPEN_STRETCHES[-1].append(cap)
+
+
+def _close_stretch(cap: Any) -> None:
+    """End the open known-state stretch: its line sets the state NumPy has now."""
+    stretch = getattr(cap, "numpy_stretch", None)
+    if stretch is None:
+        return
+    node, words = stretch
+    name, key, pos, has_gauss, cached = _NP_GET_STATE()
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        words.copy_(torch.from_numpy(np.asarray(key, dtype=np.int64)))
+    (_, held, *_rest), = node.args
+    node.args = ((name, held, int(pos), int(has_gauss), float(cached)),)
+    cap.numpy_stretch = None
+
+
+def _known_seed(args: tuple, kwargs: dict) -> bool:
+    """``np.random.seed(args)`` gives a state known at build time (not entropy)."""
+    seed = args[0] if args else kwargs.get("seed")
+    if seed is None:
+        return False
+    leaves = [seed] if not isinstance(seed, (list, tuple, np.ndarray)) else list(np.ravel(seed))
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in leaves)
+
+
+def _numpy_state_call(cap: Any, orig: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """``np.random.seed`` / ``set_state`` / ``get_state`` inside the program."""
+    states = cap.__dict__.setdefault("numpy_states", {})
+    if name == "get_state":
+        out = orig(*args, **kwargs)
+        if getattr(cap, "numpy_stretch", None) is None:
+            # the state at call time, unknown now: read by the code, for a set_state later
+            node = record_effect(cap, orig, args, kwargs, None, "numpy.random.get_state")
+            states[id(out)] = (out, node)
+        return out
+    replayed = None
+    if name == "set_state":
+        st = args[0] if args else kwargs.get("state")
+        replayed = states.get(id(st))
+        known = replayed is None or replayed[0] is not st
+    else:
+        known = _known_seed(args, kwargs)
+    if known:
+        out = orig(*args, **kwargs)
+        _open_stretch(cap)
+        return out
+    # from entropy, or back to a state read inside the program: a line of the code
+    _close_stretch(cap)
+    if replayed is not None:
+        record_effect(cap, orig, (replayed[1],), {}, None, f"numpy.random.{name}")
+    else:
+        record_effect(cap, orig, args, kwargs, None, f"numpy.random.{name}")
+    return orig(*args, **kwargs)
+
+
 def _numpy_draw(orig: Any, name: str) -> Any:
     def draw(*args: Any, **kwargs: Any) -> Any:
         cap = _active()
         if cap is None or has_tensor((args, kwargs)):
             return orig(*args, **kwargs)
+        if name in ("seed", "set_state", "get_state"):
+            return _numpy_state_call(cap, orig, name, args, kwargs)
+        if getattr(cap, "numpy_stretch", None) is not None:
+            # NumPy's state is known: the draw is a constant of the program
+            return orig(*args, **kwargs)
         loc = user_source_loc()
         if any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values())) \
-                or name in ("shuffle", "set_state"):
+                or name == "shuffle":
             raise CaptureError(
                 f"numpy.random.{name} is called with a NumPy array inside the traced "
                 "program; fxad replays NumPy's draws in the generated code only with "
                 "Python numbers as arguments", op=f"numpy.random.{name}", loc=loc,
-                hint="draw with numbers as arguments (np.random.permutation(n)), or draw "
-                     "outside the traced function and pass the result in as a tensor input")
+                hint="draw with numbers as arguments (np.random.permutation(n)), seed NumPy "
+                     "with a constant inside the program (np.random.seed(0): its draws are "
+                     "then constants), or draw outside the traced function and pass the "
+                     "result in as a tensor input")
         out = orig(*args, **kwargs)
         if out is not None and not isinstance(out, np.ndarray):
             raise CaptureError(
@@ -288,9 +390,12 @@ def _numpy_draw(orig: Any, name: str) -> Any:
                 "program uses as a Python value: the traced code would keep the number "
                 "drawn once, at build time, on every call", op=f"numpy.random.{name}",
                 loc=loc, hint="draw with torch (torch.rand(()) < p, or torch.randint) so "
-                              "the draw is part of the graph, or draw outside the traced "
-                              "function and pass the value in")
-        node = record_effect(cap, orig, args, kwargs, None, f"numpy.random.{name}")
+                              "the draw is part of the graph, seed NumPy with a constant "
+                              "inside the program, or draw outside the traced function "
+                              "and pass the value in")
+        node = record_effect(cap, orig, args, kwargs,
+                             out.copy() if isinstance(out, np.ndarray) else None,
+                             f"numpy.random.{name}")
         if isinstance(out, np.ndarray):
             draws = cap.__dict__.setdefault("numpy_draws", {})
             draws[id(out)] = (out, node, loc, out.copy())
@@ -301,13 +406,58 @@ def _numpy_draw(orig: Any, name: str) -> Any:
     return draw
 
 
+def _default_rng(orig: Any) -> Any:
+    """``np.random.default_rng`` inside the program: one seeded from entropy makes arrays no
+    capture sees the draws of, so NumPy arrays stop being constants (refused instead)."""
+    def default_rng(*args: Any, **kwargs: Any) -> Any:
+        cap = _active()
+        seed = args[0] if args else kwargs.get("seed")
+        if cap is not None and seed is None:
+            cap.numpy_unseen = user_source_loc()
+        return orig(*args, **kwargs)
+    default_rng.__wrapped__ = orig  # type: ignore[attr-defined]
+    return default_rng
+
+
+def numpy_of(t: torch.Tensor) -> Any:
+    """The NumPy array a tensor constant of the generated code holds (``t.numpy()``, on the
+    CPU): a NumPy array the program computed while NumPy's state was known
+    (:func:`_constant_array`).  On a fake tensor (fxad computing metadata), an array of the
+    same shape and dtype (any tensor subclass: fake, functional)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            return np.zeros(tuple(t.shape), dtype=torch.zeros((), dtype=t.dtype).numpy().dtype)
+        return t.detach().cpu().numpy()
+
+
+def _constant_array(cap: Any, arr: Any, what: str) -> fx.Node:
+    """The node of a NumPy array known at build time, read from a constant of the module:
+    ``array = fxad_numpy_of(_tensor_constant0)``.  A conversion that shares the array's
+    memory (``torch.from_numpy``) shares the constant's: capture writes the program's in-place
+    ops on it as out-of-place code."""
+    try:
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            held = torch.from_numpy(np.array(arr, copy=True))
+    except TypeError as e:
+        raise CaptureError(
+            f"{what} is called with a NumPy array of dtype {arr.dtype}, which a tensor "
+            "constant cannot hold", op=what, loc=user_source_loc(),
+            hint="convert it to a numeric dtype first") from e
+    node = cap.graph.create_node("call_function", numpy_of, (cap.arg(held, what),), {},
+                                 name="array")
+    node.meta.update(val=np.array(arr, copy=True), fxad_no_grad=True)
+    cap.stamp(node)
+    return node
+
+
 def numpy_node(cap: Any, arr: Any, what: str) -> fx.Node:
     """The node of NumPy array ``arr`` passed to ``what`` (a conversion to a tensor): the
-    draw that returned it.
+    draw that returned it, or a constant when NumPy's state was known for every draw the
+    program made (it seeded NumPy with a constant itself, :func:`_open_stretch`).
 
     Raises:
         CaptureError: ``arr`` is not an array a draw returned (computed from one, or by other
-            NumPy code).
+            NumPy code) and the program's draws are not all known.
     """
     hit = getattr(cap, "numpy_draws", {}).get(id(arr))
     if hit is not None and hit[0] is arr and arr.dtype == hit[3].dtype \
@@ -317,6 +467,9 @@ def numpy_node(cap: Any, arr: Any, what: str) -> fx.Node:
         return hit[1]
     loc = user_source_loc()
     draws = getattr(cap, "numpy_draw_locs", [])
+    unseen = getattr(cap, "numpy_unseen", None)
+    if getattr(cap, "numpy_seeded", False) and not draws and unseen is None:
+        return _constant_array(cap, arr, what)
     if draws:
         raise CaptureError(
             f"{what} is called with a NumPy array; the program drew NumPy random numbers "
@@ -325,11 +478,16 @@ def numpy_node(cap: Any, arr: Any, what: str) -> fx.Node:
             "fxad replays draws, not the NumPy computation after them",
             op=what, loc=loc,
             hint="turn the drawn array into a tensor right away and compute with torch "
-                 "(torch.from_numpy(np.random.permutation(n)).reshape(...)), or draw "
-                 "outside the traced function and pass the result in as an input")
+                 "(torch.from_numpy(np.random.permutation(n)).reshape(...)), seed NumPy with "
+                 "a constant inside the program before drawing (np.random.seed(0): the "
+                 "arrays are then constants), or draw outside the traced function and pass "
+                 "the result in as an input")
     raise CaptureError(
         f"{what} is called with a NumPy array computed by NumPy code while tracing; fxad "
-        "records torch calls, not NumPy code", op=what, loc=loc,
+        "records torch calls, not NumPy code"
+        + (f" (a np.random.default_rng() seeded from entropy at {_loc_text(unseen)} "
+           "draws numbers fxad does not see)" if unseen is not None else ""),
+        op=what, loc=loc,
         hint="create the values with torch functions inside the traced code, or pass the "
              "array in as a tensor input")
 
@@ -400,17 +558,27 @@ def effect_patches() -> list[tuple[Any, str, Any, Any]]:
     if np_random is not None:
         for name in NUMPY_DRAWS:
             add(np_random, name, lambda o, n=name: _numpy_draw(o, n))
+        add(np_random, "default_rng", _default_rng)
     return out
 
 
 @contextlib.contextmanager
 def numpy_state_kept() -> Iterator[None]:
     """NumPy's global random state as it was before capture, after it: the draws capture makes
-    (to give the program arrays of the right shapes and values) are not the program's calls."""
+    (to give the program arrays of the right shapes and values) are not the program's calls.
+    A known-state stretch still open when the program returns gets its state line's state
+    (:func:`_close_stretch`) first."""
     state = np_random.get_state() if np_random is not None else None
+    _OPEN_STRETCHES.append([])
+    done = False
     try:
         yield
+        done = True
     finally:
+        caps = _OPEN_STRETCHES.pop()
+        if done:
+            for cap in caps:
+                _close_stretch(cap)
         if state is not None:
             np_random.set_state(state)
 
@@ -456,3 +624,18 @@ def warn_unused_draws(cap: Any) -> None:
             "turned into tensors: what that code did with them ran once, at build time, "
             "with the numbers drawn then; turn the drawn array into a tensor "
             "(torch.from_numpy) to use it in the program", UserWarning, stacklevel=4)
+
+
+def _register_numpy_of() -> None:
+    """``fxad_numpy_of`` importable by saved code (``GraphModule.to_folder``)."""
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - very old torch
+        return
+    if np is not None:
+        _register_custom_builtin("fxad_numpy_of",
+                                 "from fxad.capture.effects import numpy_of as fxad_numpy_of",
+                                 numpy_of)
+
+
+_register_numpy_of()

@@ -47,7 +47,8 @@ Policies:
 * Side effects (:mod:`~fxad.capture.effects`): ``torch.manual_seed``, the RNG state and
   ``fork_rng``, ``print`` and NumPy's global random draws become lines of the generated code
   (nodes marked ``fxad_side_effect``), in the program's order; an array computed by NumPy
-  from a draw is refused.  Other Python state the program changes (globals, outer
+  from a draw is refused, unless the program seeded NumPy with a constant itself (its draws
+  and the NumPy code on them are then constants).  Other Python state the program changes (globals, outer
   containers, module attributes) gets a ``UserWarning`` naming the line
   (:mod:`~fxad.capture.python_state`).
 * Keyword arguments (a :class:`KeywordCall`) are inputs like positional ones: placeholders
