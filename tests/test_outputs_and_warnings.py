@@ -77,6 +77,58 @@ def test_grad_has_aux_returns_aux_in_its_container():
     torch.testing.assert_close(value, x.sin().sum())
 
 
+def triple_odict(x):
+    return collections.OrderedDict(value=x.sin().sum(), scaled=x.cos() * 2, top=x.argmax())
+
+
+def _items(out):
+    return list(out) if isinstance(out, tuple) else list(out.values())
+
+
+def _keys(out):
+    return list(out._fields) if isinstance(out, tuple) else list(out)
+
+
+@pytest.mark.parametrize("f", [pair_nt, pair_dict, pair_odict, triple_odict])
+def test_jvp_returns_output_and_tangent_in_the_programs_container(f):
+    x, t = _x(4), _x(4, seed=1)
+    out, tan = fxad.jvp(f, x)(x, t)
+    ref, ref_t = torch.func.jvp(f, (x,), (t,))
+    assert type(out) is type(ref) and type(tan) is type(ref)
+    assert _keys(out) == _keys(ref) and _keys(tan) == _keys(ref)
+    for a, b in zip(_items(out), _items(ref)):
+        torch.testing.assert_close(a, b)
+    for a, b, v in zip(_items(tan), _items(ref_t), _items(ref)):
+        if v.is_floating_point():
+            torch.testing.assert_close(a, b)
+        else:  # an integer output: no tangent (torch.func gives float0 zeros)
+            assert a is None
+
+
+@pytest.mark.parametrize("f", [pair_nt, pair_odict])
+def test_jacfwd_returns_the_programs_container(f):
+    x = _x(3)
+    jac = fxad.jacfwd(f, x)(x)
+    ref = torch.func.jacfwd(f)(x)
+    assert type(jac) is type(ref) and _keys(jac) == _keys(ref)
+    for a, b in zip(_items(jac), _items(ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_hvp_returns_per_input_tuples():
+    """fxad.hvp returns (gradients, Hessian-vector products), one per input: shaped like the
+    inputs, not like the program's output, so plain tuples."""
+    def loss(x, y):
+        return pair_nt(x * y).value
+
+    x, y, tx, ty = _x(3), _x(3, seed=1), _x(3, seed=2), _x(3, seed=3)
+    grads, hvps = fxad.hvp(loss, x, y)(x, y, tx, ty)
+    assert type(grads) is tuple and type(hvps) is tuple and len(hvps) == 2
+    want = torch.func.jvp(torch.func.grad(loss, argnums=(0, 1)), (x, y), (tx, ty))
+    for a, b in zip(grads + hvps, want[0] + want[1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_plain_tuple_and_tensor_outputs_unchanged():
     x = _x(3)
     out, _ = fxad.vjp(lambda x: (x.sin(), x.cos()), x)(x, (torch.ones_like(x),
@@ -84,6 +136,10 @@ def test_plain_tuple_and_tensor_outputs_unchanged():
     assert type(out) is tuple and len(out) == 2
     out, _ = fxad.vjp(lambda x: x.sin(), x)(x, torch.ones_like(x))
     assert isinstance(out, torch.Tensor)
+    out, tan = fxad.jvp(lambda x: (x.sin(), [x.cos()]), x)(x, torch.ones_like(x))
+    assert type(out) is tuple and type(out[1]) is list and type(tan) is tuple
+    out, tan = fxad.jvp(lambda x: x.sin(), x)(x, torch.ones_like(x))
+    assert isinstance(out, torch.Tensor) and isinstance(tan, torch.Tensor)
 
 
 # -- outputs: fxad.compile -----------------------------------------------------------------------
@@ -165,6 +221,31 @@ def test_bert_compile_model_output_and_one_located_warning():
         warnings.simplefilter("always")
         fxad.compile(m)(ids[:, :4], labels=lab)
     assert not _state_warnings(rec), [str(w.message) for w in rec]
+
+
+def test_jvp_of_a_model_returns_its_model_output():
+    """A transformers model called on embeddings: fxad.jvp gives the ModelOutput for both the
+    output and its tangent, as torch.func.jvp does, with its numbers (eager attention:
+    forward-mode autograd has no formula for the CPU flash attention kernel)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=16, attn_implementation="eager")
+    torch.manual_seed(0)
+    m = transformers.BertForSequenceClassification(cfg).double().eval()
+    emb = _x(2, 5, 16)
+    t = _x(2, 5, 16, seed=1)
+
+    def run(e):
+        return m(inputs_embeds=e)
+
+    out, tan = fxad.jvp(run, emb)(emb, t)
+    with torch.no_grad():
+        ref, ref_t = torch.func.jvp(run, (emb,), (t,))
+    assert type(out) is type(ref) and type(tan) is type(ref)
+    assert list(out.keys()) == list(ref.keys()) == list(tan.keys())
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(tan.logits, ref_t.logits)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

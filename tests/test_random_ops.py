@@ -313,3 +313,113 @@ def test_fused_device_dropout_calls_eagers_fused_kernel(monkeypatch):
     torch.manual_seed(1)
     out, (d_x,) = g(x, cot)
     assert torch.equal(out, ref) and torch.equal(d_x, ref_g)
+
+
+def _scalar(f):
+    """A scalar function of ``x`` through the random op, curved so that its Hessian is not
+    zero: ``sum(op(sin x)^2)``."""
+    return lambda x: (_value(f(x.sin())) ** 2).sum()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("name,f,shape", OPS, ids=[o[0] for o in OPS])
+def test_hvp_through_random_ops_equals_torch_func(name, f, shape, strided):
+    """Forward-over-reverse through the draws that the gradient code makes
+    (``empty_like(x).bernoulli_(0.7)``): ``fxad.hvp`` under one seed equals autograd's
+    double backward under the same seed (the same draws, consumed in the same amount), in
+    float64."""
+    fs = _scalar(f)
+    x = _inputs(shape, torch.float64, strided)
+    tan = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    h = fxad.hvp(fs, x)
+    for seed in SEEDS[:2]:
+        torch.manual_seed(seed)
+        (g,), (hv,) = h(x, tan)
+        xr = x.detach().clone().requires_grad_()  # (clone keeps the strides)
+        torch.manual_seed(seed)
+        (want_g,) = torch.autograd.grad(fs(xr), xr, create_graph=True)
+        # (no check of the generator's state after the call: the HVP code returns no value,
+        # and a draw that reaches neither the gradient nor the HVP, bernoulli's or normal's
+        # with their zero derivative, is dead code there, as in fxad.grad)
+        (want_hv,) = torch.autograd.grad(want_g, xr, tan, allow_unused=True)
+        want_hv = torch.zeros_like(x) if want_hv is None else want_hv
+        torch.testing.assert_close(g, want_g, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(hv, want_hv, rtol=1e-10, atol=1e-12)
+
+
+def test_second_derivatives_through_dropout_module_and_gradient_code():
+    """``nn.Dropout`` in training mode inside a module: fxad.hvp of a function of the input,
+    ``fxad.jvp`` of the generated gradient code, and ``fxad.vjp`` of it (reverse over
+    reverse) all equal torch.func's under the same seed."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.4), nn.Tanh(), nn.Linear(7, 1)).double()
+    net.train()
+
+    def loss(x):
+        return net(x).pow(2).sum()
+
+    x = torch.randn(3, 5, dtype=torch.float64)
+    tan = torch.randn(3, 5, dtype=torch.float64)
+    torch.manual_seed(4)
+    want_g, want_hv = torch.func.jvp(torch.func.grad(loss), (x,), (tan,))
+    torch.manual_seed(4)
+    (g,), (hv,) = fxad.hvp(loss, x)(x, tan)
+    torch.testing.assert_close(g, want_g, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hv, want_hv, rtol=1e-10, atol=1e-12)
+    grad_code = fxad.grad(loss, x)
+    torch.manual_seed(4)
+    (_, (g2,)), (_, (hv2,)) = fxad.jvp(grad_code, x)(x, tan)
+    torch.testing.assert_close(g2, want_g, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hv2, want_hv, rtol=1e-10, atol=1e-12)
+    # reverse over reverse: the VJP of the gradient code with cotangent `tan` is H tan
+    rev = fxad.vjp(lambda x: grad_code(x)[1][0], x)
+    torch.manual_seed(4)
+    _, (hv3,) = rev(x, tan)
+    torch.testing.assert_close(hv3, want_hv, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("lower,upper,training", [(0.1, 0.3, True), (0.2, 0.2, True),
+                                                  (0.1, 0.3, False)],
+                         ids=["training", "equal_bounds", "eval"])
+def test_rrelu_with_noise_kernel_against_finite_differences(lower, upper, training):
+    """The kernel F.rrelu's generated code calls, differentiated again (fxad.hvp of rrelu
+    code): VJP and JVP of ``aten.rrelu_with_noise_functional`` against central finite
+    differences of the seeded function in float64 (torch 2.13's own autograd formula reads the
+    noise argument, not the drawn slopes, so it is not the reference here)."""
+    op = torch.ops.aten.rrelu_with_noise_functional.default
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    noise = torch.rand(4, 5, dtype=torch.float64, generator=gen)
+    cots = tuple(torch.randn(4, 5, dtype=torch.float64, generator=gen) for _ in range(2))
+    tans = tuple(torch.randn(4, 5, dtype=torch.float64, generator=gen) for _ in range(2))
+
+    def seeded(x, noise):
+        torch.manual_seed(21)
+        return op(x, noise, lower, upper, training)
+
+    def fd(direction, eps=1e-6):
+        plus = seeded(x + eps * direction[0], noise + eps * direction[1])
+        minus = seeded(x - eps * direction[0], noise - eps * direction[1])
+        return tuple((p - m) / (2 * eps) for p, m in zip(plus, minus))
+
+    g = fxad.vjp(lambda x, noise: op(x, noise, lower, upper, training), x, noise)
+    torch.manual_seed(21)
+    out, (d_x, d_noise) = g(x, noise, cots)
+    for a, b in zip(out, seeded(x, noise)):
+        assert torch.equal(a, b)
+    d_noise = torch.zeros_like(noise) if d_noise is None else d_noise
+    # <cot, J v> = <J^T cot, v> for the basis directions of x and noise, summed
+    basis = torch.eye(20, dtype=torch.float64)
+    for k in range(20):
+        v = basis[k].view(4, 5)
+        for which, got in ((0, d_x), (1, d_noise)):
+            direction = (v, torch.zeros_like(v)) if which == 0 else (torch.zeros_like(v), v)
+            jv = fd(direction)
+            want = sum((c * j).sum() for c, j in zip(cots, jv))
+            torch.testing.assert_close((got * v).sum(), want, rtol=1e-6, atol=1e-8)
+    j = fxad.jvp(lambda x, noise: op(x, noise, lower, upper, training), x, noise)
+    torch.manual_seed(21)
+    _, t_out = j(x, noise, *tans)
+    for got, want in zip(t_out, fd(tans)):
+        torch.testing.assert_close(torch.zeros_like(x) if got is None else got, want,
+                                   rtol=1e-6, atol=1e-8)

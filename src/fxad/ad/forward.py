@@ -418,8 +418,8 @@ class ForwardTransform:
             else:
                 env[p] = seeds[i - n_ph].node
         result = None
-        drop = ("fxad_bwd_of", "fxad_bwd_src", "fxad_cot_of", "fxad_fwd_of", "fxad_loc",
-                "stack_trace")
+        drop = ("fxad_bwd_of", "fxad_bwd_src", "fxad_cot_of", "fxad_fwd_of", "fxad_fwd_src",
+                "fxad_loc", "stack_trace")
         for m in vjp_graph.nodes:
             if m.op == "placeholder":
                 continue
@@ -564,6 +564,8 @@ def _unwrap(x: Any) -> Any:
         return x.node
     if isinstance(x, dict):
         return {k: _unwrap(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_unwrap(v) for v in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_unwrap(v) for v in x)
     return x

@@ -156,10 +156,20 @@ class JVPModule(fx.GraphModule):
         spec = self.meta.get("fxad_input_spec")
         if spec is not None:  # what the trace specialized on (fxad.guards)
             spec.check(args[:len(spec.names)])
+        if capturing():  # captured by fxad again: the code's own containers
+            return super().__call__(*args)
         if self.record_autograd:
-            return super().__call__(*args)
+            return self._containers(super().__call__(*args))
         with torch.no_grad():
-            return super().__call__(*args)
+            return self._containers(super().__call__(*args))
+
+    def _containers(self, result: Any) -> Any:
+        """``(output, output_tangent)`` with both in the program's own containers (a
+        ``ModelOutput``, a namedtuple: :mod:`fxad.capture.outputs`)."""
+        spec = self.meta.get(OUTPUT_SPEC)
+        if spec is None or not isinstance(result, tuple) or len(result) != 2:
+            return result
+        return restore_output(result[0], spec), restore_output(result[1], spec)
 
     def _check_arguments(self, args: tuple) -> tuple:
         specs = self.meta.get("fxad_jvp_inputs")

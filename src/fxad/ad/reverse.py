@@ -17,6 +17,9 @@ The transform follows the DiffFX scheme, emitting code instead of running it:
 
 Meta keys written on the VJP graph:
 
+``fxad_fwd_of``, ``fxad_fwd_src``
+    on the nodes a rule's ``fwd`` wrote: the forward node's name and its ``SourceLoc``
+    (guard lines a rule writes name the user's line from it).
 ``fxad_bwd_of``
     on backward nodes: name of the forward node whose rule wrote them.
 ``fxad_bwd_src``
@@ -246,8 +249,8 @@ class ReverseTransform:
         known = self.em.known_value(node.op, node.target, args, kwargs, node.meta["val"]) \
             if node.op in ("call_function", "call_method") and "val" in node.meta \
             else contextlib.nullcontext()
-        with rule_errors(gm, node, "forward"), self.em.meta_defaults(fxad_fwd_of=node.name), \
-                known:
+        with rule_errors(gm, node, "forward"), self.em.meta_defaults(
+                fxad_fwd_of=node.name, fxad_fwd_src=node.meta.get("fxad_loc")), known:
             result = rule.fwd(*args, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise RuleError(f"fwd of the rule for {node_desc(gm, node)} must return (value, aux)",

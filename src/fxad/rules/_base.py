@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from ..errors import RuleError
+from ..errors import InputError, RuleError, SourceLoc
 from .registry import register_vjp
 
 
@@ -216,6 +217,103 @@ def _meta(x: Any) -> Any:
 def _error(op: str, message: str, hint: str) -> RuleError:
     """A :class:`~fxad.errors.RuleError` for ``op`` with a hint on what to change."""
     return RuleError(f"{op}: {message}", op=op, hint=hint)
+
+
+# guard lines on the memory layout a rule's code was written for
+
+def _layout_text(layout: Any, offset_zero: bool) -> str:
+    if layout == "last":
+        return "laid out with stride 1 in its last dimension"
+    dense = "contiguous" if layout is None else f"dense in the order of .permute{layout}"
+    return f"{dense} with storage offset 0" if offset_zero else dense
+
+
+def _laid_out(x: torch.Tensor, layout: Any) -> bool:
+    if layout == "last":
+        return x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1
+    return x.is_contiguous() if layout is None else x.permute(layout).is_contiguous()
+
+
+def expect_layout(x: Any, op: str, layout: Any, offset_zero: bool, where: str) -> None:
+    """Guard line of generated code after an op whose code (derivative, or a kernel chosen
+    for it) was written for the build-time memory layout of its input ``x``
+    (``as_strided`` in :mod:`fxad.rules.views`; the CPU flash-attention kernels of
+    :mod:`fxad.rules.nn.attention`).
+
+    Args:
+        x: the tensor the op reads (any shape and dtype).
+        op: the op's name, for the message (``"torch.as_strided"``).
+        layout: ``None``: ``x`` must be contiguous; a permutation: ``x.permute(layout)``
+            must be contiguous (a transposed or permuted view of a whole tensor);
+            ``"last"``: ``x`` must have stride 1 in its last dimension (or that dimension
+            has at most one element).
+        offset_zero: ``x.storage_offset()`` must be 0 as well (``as_strided`` reads
+            absolute storage positions; ``as_strided_scatter`` writes into a fresh clone,
+            whose offset is always 0).
+        where: the user's line and statement.
+
+    Raises:
+        InputError: ``x`` is laid out otherwise; the message names ``where``, the layout
+            the code was built for and the strides and storage offset of this call.
+    """
+    if isinstance(x, (FakeTensor, torch.fx.Proxy)) or x.device.type == "meta":
+        return  # a pass computing shapes runs the node: nothing to check
+    if _laid_out(x, layout) and (not offset_zero or x.storage_offset() == 0):
+        return
+    raise InputError(
+        f"{where}: {op} reads the memory layout of its input, and the code was built for "
+        f"an input that is {_layout_text(layout, offset_zero)}; for these inputs it has "
+        f"shape {tuple(x.shape)}, stride {tuple(x.stride())} and storage offset "
+        f"{x.storage_offset()}, so the code would not compute this call's values and "
+        "derivatives",
+        hint="pass inputs laid out like the example inputs (.contiguous()), or rebuild with "
+             f"these inputs" + ("" if layout == "last" else
+                                f"; or call .contiguous() on the tensor before {op} in the "
+                                "program if the strides are meant for its elements in "
+                                "row-major order"))
+
+
+def _register_builtins() -> None:
+    """Generated code names :func:`expect_layout` ``fxad_expect_layout`` and imports it from
+    here (``GraphModule.to_folder`` code and ejected files run in a fresh interpreter)."""
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - other torch versions
+        return
+    _register_custom_builtin("fxad_expect_layout",
+                             f"from {__name__} import expect_layout as fxad_expect_layout",
+                             expect_layout)
+
+
+_register_builtins()
+
+
+def _where(x: Any) -> str:
+    """The user's line of the op a rule is writing code for, as guard lines name it (the
+    engines stamp it on the nodes they create: ``fxad_fwd_src`` in the forward sweep of
+    reverse mode, ``fxad_jvp_src`` in forward mode)."""
+    defaults = getattr(getattr(x, "tracer", None), "node_meta_defaults", None) or {}
+    loc = next((defaults[k] for k in ("fxad_fwd_src", "fxad_jvp_src", "fxad_bwd_src")
+                if isinstance(defaults.get(k), SourceLoc)), None)
+    if loc is None:
+        return "the traced program"
+    return f"{loc.short()} `{loc.code}`" if loc.code else loc.short()
+
+
+def guard_layout(x: Any, op: str, layout: Any, offset_zero: bool = False) -> None:
+    """Write the guard line :func:`expect_layout` on ``x`` (a proxy) into the graph the rule
+    writes (arguments as there); nothing for a real tensor or ``None`` (a rule called
+    eagerly checks nothing later)."""
+    if not isinstance(x, torch.fx.Proxy):
+        return
+    node = x.tracer.create_proxy("call_function", expect_layout,
+                                 (x, op, layout, offset_zero, _where(x)), {},
+                                 name="layout_guard").node
+    node.meta["val"] = None
+    node.meta["fxad_side_effect"] = True
+    node.meta["fxad_guard"] = node.args[-1]
+    # not one of the statements computing the value: comments name the op's own line
+    node.meta.pop("fxad_fwd_of", None)
 
 
 # formulas shared by several families

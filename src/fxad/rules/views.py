@@ -29,6 +29,21 @@ storage position ``p`` is element ``p`` of ``x.reshape(-1)``, so
   (overlapping strides) accumulate (derivatives.yaml ``as_strided``: as_strided_backward);
 * JVP: ``t_out = torch.take(t_x, p)`` (the same gather, independent of the tangent's layout).
 
+Eager ``as_strided`` reads the memory layout of the tensor it is given, and the generated
+code calls it on whatever tensor arrives, while the derivative above is written for the
+layout seen at build time.  Called with an input laid out otherwise (a transposed or
+permuted tensor, a view with a storage offset), the value would follow eager and the
+derivative would not, so wherever the derivative needs it the code checks the layout with a
+guard line (:func:`fxad.rules._base.expect_layout`, metadata only, no device
+synchronization)::
+
+    fxad_expect_layout(x, 'torch.as_strided', None, True, 'model.py:12 `y = x.as_strided(...)`')
+
+that raises :class:`fxad.InputError` naming the user's line when the tensor is not dense in
+the build-time order with storage offset 0.  The CPU flash-attention rules
+(:mod:`fxad.rules.nn.attention`) use the same guard for the unit last-dimension stride their
+kernels need.
+
 ``as_strided_scatter(x, src, size, stride, storage_offset)`` is ``x`` with the positions ``p``
 overwritten by ``src``: ``d_x`` is ``d`` with the positions ``p`` zeroed and
 ``d_src = take(d, p)`` (derivatives.yaml ``as_strided_scatter``, ``src`` entry; with overlapping
@@ -45,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ._base import randn, uniform, _error, _meta
+from ._base import guard_layout, randn, uniform, _error, _meta
 from .registry import register_vjp
 
 
@@ -316,7 +331,8 @@ class Cat:
         out = torch.cat(tensors, dim)
         nd = len(out.shape)
         dim = dim % nd if nd else 0
-        sizes = [None if nd != 1 and tuple(t.shape) == (0,) else t.shape[dim] for t in tensors]
+        sizes = [None if nd != 1 and t.dim() == 1 and t.shape[0] == 0 else t.shape[dim]
+                 for t in tensors]
         return out, (sizes, dim)
 
     def bwd(aux, d):
@@ -1313,7 +1329,8 @@ def _offset(x: Any, storage_offset: Any) -> int:
 _AS_STRIDED_DOC = (
     """as_strided(x, size, stride, storage_offset): d_x = zeros.index_add(0, p, d) with p the
     storage positions read (derivatives.yaml `as_strided`: as_strided_backward, for an input
-    owning its storage contiguously); JVP: take(t, p).""")
+    owning its storage contiguously); JVP: take(t, p).  The input's build-time layout is
+    checked on every call (a guard line: fxad.InputError naming the line).""")
 
 
 def _as_strided_rule(op: Any, name: str) -> type:
@@ -1324,6 +1341,7 @@ def _as_strided_rule(op: Any, name: str) -> type:
             _check_in_bounds(name, input, size, stride, _offset(input, storage_offset))
             perm = _storage_order(name, input)
             out = op(input, size, stride, storage_offset)
+            guard_layout(input, name, perm, True)
             return out, (tuple(input.shape), input.numel(), tuple(size), tuple(stride),
                          _offset(input, storage_offset), perm)
 
@@ -1347,6 +1365,7 @@ def _as_strided_rule(op: Any, name: str) -> type:
             t = tangents[0]
             if t is None:
                 return out, None
+            guard_layout(x, name, perm, True)
             p = _positions(size, stride, _offset(x, storage_offset), x.device)
             return out, torch.take(t if perm is None else torch.permute(t, perm), p)
 
@@ -1390,6 +1409,7 @@ class AsStridedScatter:
         # the op writes into a fresh clone of input, so only contiguity matters
         _check_owns_storage("torch.as_strided_scatter", input, offset_matters=False)
         out = torch.as_strided_scatter(input, src, size, stride, storage_offset)
+        guard_layout(input, "torch.as_strided_scatter", None, False)
         off = 0 if storage_offset is None else int(storage_offset)
         return out, (tuple(input.shape), tuple(src.shape), tuple(size), tuple(stride), off)
 
@@ -1409,6 +1429,7 @@ class AsStridedScatter:
         t_x, t_src = tangents[0], tangents[1]
         if t_x is None and t_src is None:
             return out, None
+        guard_layout(x, "torch.as_strided_scatter", None, False)
         t_x = torch.zeros_like(x) if t_x is None else t_x.contiguous()
         if t_src is None:
             t_src = torch.zeros_like(src)
