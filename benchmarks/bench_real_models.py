@@ -51,7 +51,7 @@ with eager's on one step from the same weights (largest difference relative to t
 gradient).
 
 ``--profile`` prints, per model, the ATen ops of one step of eager and ``fxad`` where their
-counts differ, and the ATen self CPU time per step of the most expensive ops (the profile
+counts differ (those fxad calls more often first: the work to look at), and the ATen self CPU time per step of the most expensive ops (the profile
 that guides the work on fxad's generated code).
 
 Usage::
@@ -496,7 +496,10 @@ def print_row(row: dict[str, Any], args_top: int = 25) -> None:
         diff = sorted((k for k in set(a) | set(b) if a[k] != b[k]), key=lambda k: a[k] - b[k])
         print(f"  ATen ops per step, eager -> fxad (where they differ; total {sum(a.values())} "
               f"-> {sum(b.values())}):")
-        print("   " + ", ".join(f"{k} {a[k]}->{b[k]}" for k in diff))
+        for label, keep in (("fxad more", lambda k: b[k] > a[k]),
+                            ("fxad fewer", lambda k: b[k] < a[k])):
+            print(f"   {label}: " + (", ".join(f"{k} {a[k]}->{b[k]}" for k in diff if keep(k))
+                                     or "none"))
         top = sorted(set(ta) | set(tb), key=lambda k: -max(ta[k], tb[k]))[:args_top]
         print(f"  self CPU ms per step, eager -> fxad (total {sum(ta.values()) / 1e3:.1f} -> "
               f"{sum(tb.values()) / 1e3:.1f}):")

@@ -145,6 +145,81 @@ def test_sdpa_kernel_refused_where_it_would_read_wrongly(level):
     assert "_scaled_dot_product_flash_attention_for_cpu" not in code
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_mask_kernel_gradients_equal_autograd(dtype, kind, causal):
+    """Eager autograd runs the same CPU flash kernels with a mask (in float64 too): the
+    run form's value and cotangents equal autograd's to 1e-9 in float64, to float32
+    rounding in float32, with and without is_causal, for a boolean and an additive mask."""
+    torch.manual_seed(3)
+    q, k, v = (_rand(2, 3, 6, 8, dtype=dtype) for _ in range(3))
+    m = _keep(2, 1, 6, 6)
+    if kind == "float":
+        m = torch.where(m, _rand(2, 1, 6, 6, dtype=dtype), torch.tensor(float("-inf"),
+                                                                        dtype=dtype))
+    f = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m,  # noqa: E731
+                                                       is_causal=causal)
+    cot = torch.randn(2, 3, 6, 8, dtype=dtype)
+    want_out, want = _autograd(f, (q, k, v), cot)
+    with fxad.fused_kernels("all"):
+        code, out, got = _grads(f, (q, k, v), cot)
+    assert "_scaled_dot_product_flash_attention_for_cpu_backward(" in code
+    tol = {"atol": 1e-9, "rtol": 0.0} if dtype == torch.float64 else {}
+    torch.testing.assert_close(out, want_out, **tol)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_sdpa_mask_without_kernel_support_keeps_the_formulas(monkeypatch):
+    """A torch whose CPU flash kernels take no ``attn_mask`` (read from their schemas):
+    the run form writes the formulas, with autograd's gradients."""
+    attention = pytest.importorskip("fxad.rules.nn.attention")
+    monkeypatch.setattr(attention, "CPU_FLASH_TAKES_MASK", False)
+    q, k, v = _rand(2, 3, 4, 5), _rand(2, 3, 6, 5), _rand(2, 3, 6, 5)
+    m = _keep(2, 1, 4, 6)
+    code = _compare(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                    (q, k, v))
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in code and "softmax" in code
+
+
+def test_sdpa_mask_schema_is_read():
+    attention = pytest.importorskip("fxad.rules.nn.attention")
+    assert attention._takes_attn_mask("_scaled_dot_product_flash_attention_for_cpu") == any(
+        a.name == "attn_mask" for a in
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default._schema.arguments)
+    assert not attention._takes_attn_mask("no_such_kernel_here")
+
+
+class _Dropped(nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q, k, v):
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=0.3)
+                ** 2).sum()
+
+
+def test_sdpa_mask_with_dropout_through_compile_draws_like_eager():
+    """With dropout eager's CPU dispatch runs the math reference (no fused kernel); the run
+    form writes the probabilities out and draws the same dropout mask from the same seed:
+    the same loss and gradients in float64."""
+    q, k, v = (_rand(2, 3, 5, 4).requires_grad_() for _ in range(3))
+    m = _keep(5, 5)
+    compiled = fxad.compile(_Dropped(m))
+    code = compiled.partition(q, k, v).bwd_gm.code
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in code
+    got, want = [], []
+    for run, out in ((compiled, got), (_Dropped(m), want)):
+        torch.manual_seed(11)
+        loss = run(q, k, v)
+        out.append(loss.detach())
+        out.extend(torch.autograd.grad(loss, (q, k, v)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0.0)
+
+
 # --- tanh, sigmoid -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op,kernel", [(torch.tanh, "tanh_backward"),
@@ -260,6 +335,168 @@ def test_row_read_twice_or_with_another_term():
         p = x * 2
         return (p[0] * p[1] + p[0] + p.sum(0)).sum()
     _training_grads(f, _rand(2, 3))
+
+
+# --- work eager does not do (fxad.training.passes) ---------------------------------------------
+
+def _compiled_step(model, *inputs):
+    """fxad.compile's backward code for ``model``, after checking its loss and gradients
+    against autograd's (float64, to 1e-9)."""
+    ref = copy.deepcopy(model)
+    compiled = fxad.compile(model)
+    part = compiled.partition(*inputs)
+    loss = compiled(*inputs)
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-9, rtol=0.0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=0.0, msg=name)
+    return part
+
+
+class _Head(nn.Module):
+    """A layer norm, then a linear head on ``h[index]`` (ViT's first token, GPT-2's
+    ``logits_to_keep`` slice), then a bias broadcast over the batch."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.ln = nn.LayerNorm(8).double()
+        self.lin = nn.Linear(8, 3).double()
+        self.pos = nn.Parameter(torch.randn(1, 5, 8, dtype=DT))
+
+    def forward(self, x):
+        h = self.ln(x + self.pos)
+        return (self.lin(h[self.index]) ** 2).sum()
+
+
+def test_whole_slice_cotangent_is_the_cotangent():
+    """``h[:, 0:]`` is ``h`` (eager's indexing returns it): no zero tensor, copy and write
+    in the backward, and ``h`` is not saved for its shape."""
+    x = _rand(2, 5, 8)
+    part = _compiled_step(_Head((slice(None), slice(0, None))), x)
+    code = part.bwd_gm.code
+    assert "fxad_setitem" not in code and "zeros" not in code and "write_into" not in code
+
+
+def test_selected_row_cotangent_written_into_fresh_zeros():
+    """``h[:, 0]`` (ViT's classifier token): the cotangent's zero tensor is made from the
+    static shape (``h`` not saved for it) and written in place, as autograd's
+    SelectBackward does (no copy of the zeros)."""
+    x = _rand(2, 5, 8)
+    part = _compiled_step(_Head((slice(None), 0)), x)
+    code = part.bwd_gm.code
+    assert "fxad_write_into(" in code and "fxad_setitem" not in code
+    assert "zeros_like" not in code and "torch.zeros((2, 5, 8)" in code
+
+
+def test_broadcast_cotangents_are_one_sum():
+    """A bias's and a broadcast parameter's cotangents: ``torch.sum`` over the broadcast
+    dimensions (the kernel ``sum_to_size`` calls), not ``sum_to_size``."""
+    x = _rand(2, 5, 8)
+    part = _compiled_step(_Head((slice(None), 0)), x)
+    code = part.bwd_gm.code
+    assert "sum_to_size" not in code
+    assert "keepdim = True" in code  # pos: (1, 5, 8) from (2, 5, 8)
+
+
+class _Residual(nn.Module):
+    """A linear layer on a 3-D activation beside a residual connection: the activation's
+    cotangent is a sum with the linear layer's reshaped input cotangent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8).double()
+        self.w = nn.Parameter(torch.randn(8, dtype=DT))
+
+    def forward(self, x):
+        h = torch.tanh(x * self.w)
+        return ((self.lin(h) + h) ** 2).sum()
+
+
+def test_cotangent_sum_accumulates_into_the_reshaped_linear_cotangent():
+    import re
+    part = _compiled_step(_Residual(), _rand(2, 5, 8))
+    code = part.bwd_gm.code
+    assert re.search(r"= (reshape\w*)\.add_\(", code), code
+    assert not re.search(r"= \w+ \+ \w+", code), code  # no out-of-place sum left
+
+
+def test_whole_write_of_other_strides_stays():
+    """The rules after a write were chosen for its result's layout: a cotangent of other
+    strides keeps the write (which lays it out as the result)."""
+    import torch.fx as fx
+    from fxad import ops
+    from fxad.training.passes import drop_whole_writes
+    g = fx.Graph()
+    x, d = g.placeholder("x"), g.placeholder("d")
+    z = g.call_function(torch.zeros_like, (x,))
+    w = g.call_function(ops.setitem, (z, (slice(None),), d))
+    g.output(w)
+    gm = fx.GraphModule(nn.Module(), g)
+    for n in (x, z, w):
+        n.meta["val"] = torch.empty(3, 4)
+    d.meta["val"] = torch.empty(4, 3).t()
+    assert drop_whole_writes(gm) == 0
+    d.meta["val"] = torch.empty(3, 4)
+    assert drop_whole_writes(gm) == 1
+    dd = torch.randn(3, 4)
+    assert gm(torch.randn(3, 4), dd) is dd
+
+
+@pytest.mark.parametrize("index,whole", [
+    ((slice(None),), True), ((slice(None), slice(0, None)), True), (Ellipsis, True),
+    ((Ellipsis, slice(None, 9)), True), ((slice(-9, None), Ellipsis), True),
+    ((slice(None, 4),), True), ((slice(1, None),), False), ((slice(None, 2),), False),
+    ((slice(None, None, 2),), False), ((slice(None), 0), False), ((None,), False),
+    ((Ellipsis, Ellipsis), False), ((slice(None),) * 4, False),
+])
+def test_selects_all(index, whole):
+    from fxad.training.passes import _selects_all
+    assert _selects_all(index, (3, 5, 7)) is whole
+    x = torch.arange(105).reshape(3, 5, 7)
+    if whole:  # what eager indexing gives: every element, in place
+        assert x[index].shape == x.shape and torch.equal(x[index], x)
+
+
+def _aten_counts(step, steps=2):
+    """ATen ops per step (top-level and nested) under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    n = {}
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            n[e.name[6:]] = n.get(e.name[6:], 0) + 1
+    return {k: v // steps for k, v in n.items()}
+
+
+def test_gpt2_step_does_no_copy_or_product_eager_does_not():
+    """transformers' GPT-2 (SDPA attention, its own loss) trained through fxad.compile:
+    per step, no more copies, clones, zero tensors, products or sums-to-size than eager
+    autograd's step, the masked attention in the CPU flash kernels forward and backward
+    (no batched products or softmax of the math form), as eager runs it."""
+    torch.manual_seed(0)
+    model, inputs = _gpt2()
+    ref = copy.deepcopy(model)
+    compiled = fxad.compile(model)
+
+    def step(m):
+        def run():
+            m.zero_grad(set_to_none=True)
+            m(*inputs).backward()
+        return run
+    eager, ours = _aten_counts(step(ref)), _aten_counts(step(compiled))
+    layers = 2
+    assert ours.get("_scaled_dot_product_flash_attention_for_cpu_backward") == layers
+    assert ours.get("_scaled_dot_product_flash_attention_for_cpu") == layers
+    for op in ("bmm", "_softmax", "_softmax_backward_data", "_scaled_dot_product_attention_math"):
+        assert ours.get(op, 0) == 0, op
+    for op in ("copy_", "clone", "zeros_like", "mul", "sum_to_size", "contiguous", "_to_copy"):
+        assert ours.get(op, 0) <= eager.get(op, 0), (op, ours.get(op, 0), eager.get(op, 0))
 
 
 # --- models through fxad.compile, float32 ----------------------------------------------------

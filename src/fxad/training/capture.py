@@ -13,10 +13,12 @@ from torch.utils import _pytree as pytree
 
 from ..api import trace as _trace
 from ..api import vjp as _vjp
+from ..capture.decisions import current_policy
 from ..naming import op_kind
 from ..rules import fused
 from ..simplify.layout import channels_last_convolutions
-from .passes import stack_selected_cotangents
+from .passes import (drop_whole_writes, stack_selected_cotangents, sum_to_size_as_sum,
+                     zeros_of_shape)
 
 __all__ = ["autocast_state", "materialize_autocast", "AUTOCAST_LOWER_OPS"]
 
@@ -163,13 +165,17 @@ def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[t
     The code is built to run, not to be read: fused backward kernels at level ``"all"``
     (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off, and CPU
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
-    ``channels_last`` (``"casts"``: only the weights autocast casts).  ``dynamic_shapes``
+    ``channels_last`` (``"casts"``: only the weights autocast casts); the rewrites of
+    :mod:`fxad.training.passes` that remove work eager autograd does not do.  ``dynamic_shapes``
     (a tuple in argument order, :mod:`fxad.symbolic`): build on symbolic sizes."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
     with _AutocastOff(_autocast_devices()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules,
-                 dynamic_shapes=dynamic_shapes)
+                 dynamic_shapes=dynamic_shapes, values=current_policy())
     stack_selected_cotangents(g)
+    drop_whole_writes(g)
+    zeros_of_shape(g)
+    sum_to_size_as_sum(g)
     if channels_last:
         channels_last_convolutions(g, casts_only=channels_last == "casts")
     return g

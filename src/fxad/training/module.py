@@ -23,6 +23,7 @@ from ..simplify.inplace import accumulate_in_place
 from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
 from .capture import _onednn_enabled, _vjp_graph, autocast_state
 from .edited import EditedModule
+from .passes import accumulate_into_reshaped, write_fresh_in_place
 
 __all__ = ["compile", "FxadModule", "Build", "VALUE_BUILDS_WARN"]
 
@@ -241,6 +242,8 @@ class FxadModule(torch.nn.Module):
                            dynamic_shapes=dynamic_shapes)
         part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
         accumulate_in_place(part.bwd_gm)  # run once, never transformed again
+        accumulate_into_reshaped(part.bwd_gm)
+        write_fresh_in_place(part.bwd_gm)
         cast_methods(part.fwd_gm)
         cast_methods(part.bwd_gm)
         p = _Plan(part, len(inputs), g)

@@ -8,6 +8,27 @@ whole shape with one row written (``fxad_setitem(zeros_like(proj), i, d_i)``) an
 them.  That is one zero tensor, one copy of it per row and ``n - 1`` whole-tensor additions;
 autograd's ``SelectBackward`` does the same (a zero tensor per row).  The sum is
 ``torch.stack([d_0, ..., d_{n-1}])``: one write of the result.
+
+The others remove work eager autograd does not do (found by counting the ATen ops of a
+training step against eager's, ``benchmarks/bench_real_models.py --profile``):
+
+* :func:`drop_whole_writes`: ``fxad_setitem(zeros_like(x), index, d)`` where ``index``
+  selects every element (``h[:, 0:, :]``, which eager's indexing returns as ``h`` itself
+  and transformers writes for ``logits_to_keep=0``) is ``d``: no zero tensor, copy of it
+  and write, and ``x`` is not saved for its shape;
+* :func:`zeros_of_shape`: ``torch.zeros_like(x)`` of a contiguous ``x`` of static shape is
+  ``torch.zeros(shape, dtype=..., device=...)``, so that the forward does not save ``x``
+  only for the shape of a cotangent (a basic index's backward: ViT's ``h[:, 0]``);
+* :func:`sum_to_size_as_sum`: the engine's ``d.sum_to_size(shape)`` (a bias's gradient,
+  a broadcast operand's) is ``torch.sum(d, dims)``, the one kernel ``sum_to_size`` calls
+  (with ``keepdim=True`` for kept size-1 dimensions), bit for bit;
+* :func:`write_fresh_in_place` (on the backward graph after the split, as it mutates):
+  ``fxad_setitem(z, index, v)`` on a fresh ``z`` (``torch.zeros``, an op's new result)
+  that nothing else reads writes into ``z`` (:func:`write_into`) instead of a copy of it,
+  as autograd's ``SelectBackward``/``SliceBackward`` write into their zero tensor;
+* :func:`accumulate_into_reshaped` (also after the split): a cotangent sum with a reshaped
+  fresh operand (a linear layer's input cotangent) accumulates into it in place, as
+  :func:`fxad.simplify.inplace.accumulate_in_place` does for a fresh operand.
 """
 from __future__ import annotations
 
@@ -19,8 +40,11 @@ import torch.fx as fx
 
 from .. import ops
 from ..graph.proxy import substitute
+from ..simplify.inplace import is_fresh
 
-__all__ = ["stack_selected_cotangents"]
+__all__ = ["stack_selected_cotangents", "drop_whole_writes", "zeros_of_shape",
+           "sum_to_size_as_sum", "write_fresh_in_place", "write_into",
+           "accumulate_into_reshaped"]
 
 _ADDS = (operator.add, torch.add)
 
@@ -97,3 +121,228 @@ def stack_selected_cotangents(gm: fx.GraphModule) -> int:
         g.lint()
         gm.recompile()
     return done
+
+
+# --- work eager does not do -------------------------------------------------------------------
+
+
+def _static(shape: Any) -> bool:
+    return all(type(s) is int for s in shape)
+
+
+def _selects_all(index: Any, shape: tuple[int, ...]) -> bool:
+    """``x[index]`` is every element of ``x`` (of ``shape``), in order and unbroadcast:
+    only slices ``a:b`` of step 1 with ``a`` 0 or ``None`` (or ``<= -size``) and ``b``
+    ``None`` or ``>= size``, and at most one ``Ellipsis``."""
+    items = index if isinstance(index, tuple) else (index,)
+    ellipses = [k for k, i in enumerate(items) if i is Ellipsis]
+    if len(ellipses) > 1:
+        return False
+    dims = [i for i in items if i is not Ellipsis]
+    if len(dims) > len(shape):
+        return False
+    if ellipses:  # the items before the Ellipsis index leading dims, those after trailing
+        k = ellipses[0]
+        after = len(items) - k - 1
+        sizes = list(shape[:k]) + list(shape[len(shape) - after:] if after else [])
+    else:
+        sizes = list(shape[:len(dims)])
+    for i, size in zip(dims, sizes):
+        if type(i) is not slice or i.step not in (None, 1):
+            return False
+        if not (i.start is None or (type(i.start) is int and (i.start == 0 or i.start <= -size))):
+            return False
+        if not (i.stop is None or (type(i.stop) is int and i.stop >= size)):
+            return False
+    return True
+
+
+def drop_whole_writes(gm: fx.GraphModule) -> int:
+    """Rewrite ``fxad_setitem(x, index, d)`` to ``d`` where ``index`` selects every element
+    of ``x`` (:func:`_selects_all`) and ``d`` (a node) has ``x``'s static shape, dtype and
+    device and the result's strides; returns the number of rewrites (recompiling ``gm``
+    when there are any).  Nodes left unread (the zero tensor) are erased."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target is ops.setitem and len(n.args) == 3
+                and not n.kwargs and not n.meta.get("fxad_side_effect")):
+            continue
+        x, index, d = n.args
+        xv, dv, out = _val(x), _val(d), _val(n)
+        if not (isinstance(xv, torch.Tensor) and isinstance(dv, torch.Tensor)
+                and isinstance(out, torch.Tensor) and _static(xv.shape)
+                and tuple(dv.shape) == tuple(xv.shape) and dv.dtype == xv.dtype
+                and dv.device == xv.device and dv.stride() == out.stride()
+                and _selects_all(index, tuple(xv.shape))):
+            continue  # (equal strides: the rules after it were chosen for the write's layout)
+        n.replace_all_uses_with(d)
+        g.erase_node(n)
+        if isinstance(x, fx.Node) and not x.users and x.op == "call_function" \
+                and x.target in (torch.zeros_like, torch.zeros):
+            g.erase_node(x)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def zeros_of_shape(gm: fx.GraphModule) -> int:
+    """Rewrite ``torch.zeros_like(x)`` (no other argument) to ``torch.zeros(shape,
+    dtype=..., device=...)`` where ``x`` is a dense contiguous tensor of static shape (the
+    same values and layout, without reading ``x``); returns the number of rewrites."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target is torch.zeros_like and len(n.args) == 1
+                and not n.kwargs and isinstance(n.args[0], fx.Node)):
+            continue
+        xv = _val(n.args[0])
+        if not (isinstance(xv, torch.Tensor) and xv.layout == torch.strided
+                and _static(xv.shape) and xv.is_contiguous() and not xv.is_complex()
+                and type(xv).__name__ in ("FakeTensor", "Tensor")):
+            continue
+        if substitute(gm, n, torch.zeros, (tuple(xv.shape),),
+                      {"dtype": xv.dtype, "device": xv.device}, [n]):
+            done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def sum_to_size_as_sum(gm: fx.GraphModule) -> int:
+    """Rewrite ``d.sum_to_size(shape)`` of static shapes to ``torch.sum(d, dims)`` where
+    only leading dimensions are summed away, or ``torch.sum(d, dims, keepdim=True)`` where
+    only size-1 dimensions are kept (``sum_to_size`` calls that kernel with
+    ``keepdim=True`` and views the result: the same values); returns the number of
+    rewrites."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_method" and n.target == "sum_to_size" and len(n.args) == 2
+                and not n.kwargs and isinstance(n.args[0], fx.Node)):
+            continue
+        d, target = n.args
+        dv = _val(d)
+        if isinstance(target, torch.Size):
+            target = tuple(target)
+        if not (isinstance(dv, torch.Tensor) and isinstance(target, (tuple, list))
+                and _static(dv.shape) and _static(target) and len(target) <= dv.dim()):
+            continue
+        lead = dv.dim() - len(target)
+        kept = tuple(lead + i for i, s in enumerate(target) if s == 1 and dv.shape[lead + i] != 1)
+        if any(s != 1 and s != dv.shape[lead + i] for i, s in enumerate(target)):
+            continue
+        if lead and not kept:
+            args, kwargs = (d, tuple(range(lead))), {}
+        elif kept and not lead:
+            args, kwargs = (d, kept), {"keepdim": True}
+        else:
+            continue  # nothing summed (a no-op the simplifier removes) or both kinds
+        if substitute(gm, n, torch.sum, args, kwargs, [n]):
+            done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def write_into(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``x[index] = value`` in place; returns ``x``.  The training code's
+    :func:`fxad.ops.setitem` on a fresh tensor that nothing else reads
+    (:func:`write_fresh_in_place`)."""
+    x[index] = value
+    return x
+
+
+_ZEROS = (torch.zeros, torch.zeros_like)
+
+
+def write_fresh_in_place(gm: fx.GraphModule) -> int:
+    """Rewrite ``fxad_setitem(z, index, v)`` to ``write_into(z, index, v)`` where ``z`` is a
+    fresh tensor (``torch.zeros``/``zeros_like``, or an op's new result:
+    :func:`fxad.simplify.inplace.is_fresh`) read by nothing else, and ``v`` is not ``z``.
+    The graph then mutates: run it, do not transform it again (as
+    :func:`fxad.simplify.inplace.accumulate_in_place`).  Returns the number of rewrites."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target is ops.setitem and len(n.args) == 3
+                and not n.kwargs):
+            continue
+        z, index, v = n.args
+        if not (isinstance(z, fx.Node) and len(z.users) == 1 and z is not v
+                and ((z.op == "call_function" and z.target in _ZEROS) or is_fresh(z))
+                and isinstance(_val(z), torch.Tensor)):
+            continue
+        n.target = write_into
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+_RESHAPES = (torch.reshape,)
+_RESHAPE_METHODS = ("reshape", "view")
+
+
+def _reshape_of_fresh(n: Any) -> bool:
+    """``n`` is ``reshape``/``view`` of a fresh tensor (:func:`is_fresh`) that nothing else
+    reads: writing into ``n`` changes no other value."""
+    if not (isinstance(n, fx.Node) and len(n.users) == 1 and n.args
+            and ((n.op == "call_function" and n.target in _RESHAPES)
+                 or (n.op == "call_method" and n.target in _RESHAPE_METHODS))):
+        return False
+    src = n.args[0]
+    return isinstance(src, fx.Node) and len(src.users) == 1 and is_fresh(src)
+
+
+def accumulate_into_reshaped(gm: fx.GraphModule) -> int:
+    """Rewrite ``c = a + r`` to ``c = r.add_(a)`` where ``r`` is a reshape of a fresh tensor,
+    both read by nothing else (:func:`_reshape_of_fresh`: a linear layer's input cotangent
+    ``reshape(mm(d, W), shape)``), with ``c``'s shape, dtype, device and strides: what
+    :func:`fxad.simplify.inplace.accumulate_in_place` does for a fresh operand, one
+    activation-sized allocation fewer (autograd's engine accumulates such sums in place).
+    The graph then mutates (run it, do not transform it again).  Returns the number of
+    rewrites."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target in _ADDS and len(n.args) == 2
+                and not n.kwargs):
+            continue
+        out = _val(n)
+        for acc, other in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            av = _val(acc)
+            if acc is other or not _reshape_of_fresh(acc) or not isinstance(out, torch.Tensor) \
+                    or not isinstance(av, torch.Tensor):
+                continue
+            if not (_static(av.shape) and tuple(av.shape) == tuple(out.shape)
+                    and av.dtype == out.dtype and av.device == out.device
+                    and av.stride() == out.stride()):
+                continue
+            n.op, n.target, n.args = "call_method", "add_", (acc, other)
+            done += 1
+            break
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def _register_builtins() -> None:
+    """Generated code names :func:`write_into` ``fxad_write_into`` and imports it from here
+    (``GraphModule.to_folder`` code runs in a fresh interpreter)."""
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:  # pragma: no cover - other torch versions
+        return
+    _register_custom_builtin("fxad_write_into",
+                             f"from {__name__} import write_into as fxad_write_into",
+                             write_into)
+
+
+_register_builtins()

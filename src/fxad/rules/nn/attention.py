@@ -4,9 +4,16 @@
 The forward calls the op itself for the value; the backward recomputes the attention
 weights in plain tensor code (the formulas are in the rule's docstring), or calls PyTorch's
 fused CPU flash-attention backward where :mod:`fxad.rules.fused` allows it
-(``docs/fused_kernels.md``): without a mask at the default level, with a mask at level
-``"all"`` (code built to run).  Configurations the rule cannot differentiate exactly
-raise :class:`~fxad.errors.RuleError` naming what to change.
+(``docs/fused_kernels.md``): without a mask at the default level, with a boolean or
+additive mask (with or without ``is_causal``) at level ``"all"`` (code built to run:
+:func:`fxad.compile`, :func:`fxad.joint_step`) where this torch's kernels take a mask
+(:data:`CPU_FLASH_TAKES_MASK`, read from their schemas).  So the readable and the run forms
+differ for a masked attention: :func:`fxad.vjp` shows the formulas of
+:class:`ScaledDotProductAttention`, the training code calls the kernels
+(:class:`ScaledDotProductAttentionFusedMask`).  With ``dropout_p > 0`` both forms write the
+probabilities out (:class:`ScaledDotProductAttentionDropout`), as eager PyTorch's CPU
+dispatch runs its math reference with dropout.  Configurations the rule cannot
+differentiate exactly raise :class:`~fxad.errors.RuleError` naming what to change.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._base import randn, _add
+from .._base import guard_layout, randn, _add
 from ..registry import needs_cotangent, register_vjp
 from ._common import _bound
 
@@ -95,13 +102,42 @@ def _cpu_flash_shapes_ok(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
 
+def _takes_attn_mask(name: str) -> bool:
+    """Whether ``torch.ops.aten.<name>`` exists and its schema has an ``attn_mask`` argument
+    (the CPU flash-attention kernels take one since PyTorch 2.3; read from the schema at run
+    time so that another torch build without it gets the formulas instead of a call that
+    fails)."""
+    try:
+        schema = getattr(torch.ops.aten, name).default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(a.name == "attn_mask" for a in schema.arguments)
+
+
+#: the CPU flash-attention forward and backward kernels of this torch take a mask
+CPU_FLASH_TAKES_MASK = all(_takes_attn_mask(f"_scaled_dot_product_flash_attention_for_cpu{s}")
+                           for s in ("", "_backward"))
+
+
 def _cpu_flash_mask_ok(q: Any, mask: Any) -> bool:
     """A mask the CPU flash kernels take once converted (:func:`_flash_mask`): boolean, or
     floating-point of the query's dtype, broadcastable to ``(B, H, L, S)`` (checked by the
-    capture), with a unit stride in its last dimension."""
-    return (mask is not None and 2 <= mask.dim() <= 4 and mask.device.type == "cpu"
+    capture), with a unit stride in its last dimension; and kernels of this torch that take
+    a mask (:data:`CPU_FLASH_TAKES_MASK`)."""
+    return (CPU_FLASH_TAKES_MASK and mask is not None and 2 <= mask.dim() <= 4
+            and mask.device.type == "cpu"
             and (mask.dtype == torch.bool or mask.dtype == q.dtype)
             and (mask.shape[-1] == 1 or mask.stride(-1) == 1))
+
+
+def _guard_unit_stride(*tensors: Any) -> None:
+    """The CPU flash kernels read the last dimension of q, k and v as contiguous (chosen for
+    the traced strides, :func:`_cpu_flash_shapes_ok`; eager PyTorch takes its math path
+    otherwise, the kernels compute garbage; a mask of any strides they take): a guard line
+    per tensor refuses a call where one has another stride there
+    (:func:`fxad.rules._base.expect_layout`)."""
+    for t in tensors:
+        guard_layout(t, "F.scaled_dot_product_attention", "last")
 
 
 def _flash_mask(mask: Any, dtype: torch.dtype) -> Any:
@@ -261,6 +297,7 @@ class ScaledDotProductAttentionFused:
         # CPU flash attention: save its logsumexp for the fused backward kernel
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, bool(is_causal), scale=scale)
+        _guard_unit_stride(query, key, value)
         return out, (query, key, value, out, lse, bool(is_causal), scale)
 
     def bwd(aux, d):
@@ -303,6 +340,7 @@ class ScaledDotProductAttentionFusedMask:
         mask = _flash_mask(attn_mask, query.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, bool(is_causal), attn_mask=mask, scale=scale)
+        _guard_unit_stride(query, key, value)
         return out, (query, key, value, out, lse, attn_mask, mask, bool(is_causal), scale)
 
     def bwd(aux, d):
