@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import InputError, ValueGuardError
 from .graph.sizes import expr_of, is_symbolic
+from .naming import code_builtin
 
 __all__ = ["expect_size", "InputSpec", "spec_of", "ModeWarning", "install_mode_check", "expect",
            "layout_of", "describe_layout"]
@@ -460,16 +461,5 @@ def expect_size(relation: str, lhs: int, rhs: int, text: str, where: str) -> Non
                                  "program's eager run fails on them too")
 
 
-def _register_expect() -> None:
-    try:
-        from torch.fx.graph import _register_custom_builtin
-    except ImportError:  # pragma: no cover - very old torch
-        return
-    _register_custom_builtin("fxad_expect", "from fxad.guards import expect as fxad_expect",
-                             expect)
-    _register_custom_builtin("fxad_expect_size",
-                             "from fxad.guards import expect_size as fxad_expect_size",
-                             expect_size)
-
-
-_register_expect()
+code_builtin("fxad_expect", expect)
+code_builtin("fxad_expect_size", expect_size)

@@ -2,9 +2,14 @@
 the engines' error messages)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+try:
+    from torch.fx.graph import _register_custom_builtin
+except ImportError:  # pragma: no cover - a torch without fx's custom builtins
+    _register_custom_builtin = None
 
 __all__ = ["describe_target", "op_qualname", "op_kind"]
 
@@ -68,3 +73,12 @@ def op_kind(node: Any) -> str:
         name = getattr(t, "__name__", None) or str(t)
         return name.rsplit(".", 1)[-1]
     return node.op
+
+
+def code_builtin(name: str, fn: Callable[..., Any]) -> None:
+    """Generated code calls ``fn`` by ``name`` and imports it from ``fn``'s module, so code
+    saved with ``GraphModule.to_folder`` and ejected files run in a fresh interpreter (fx's
+    custom builtins; nothing on a torch without them)."""
+    if _register_custom_builtin is not None:
+        _register_custom_builtin(name, f"from {fn.__module__} import {fn.__name__} as {name}",
+                                 fn)

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError, RuleError, SourceLoc
 from .registry import register_vjp
+from ..naming import code_builtin
 
 
 def unary(op: Callable, *, save: str, derivative: Callable[[Any, Any], Any], source: str,
@@ -273,19 +274,7 @@ def expect_layout(x: Any, op: str, layout: Any, offset_zero: bool, where: str) -
                                 "row-major order"))
 
 
-def _register_builtins() -> None:
-    """Generated code names :func:`expect_layout` ``fxad_expect_layout`` and imports it from
-    here (``GraphModule.to_folder`` code and ejected files run in a fresh interpreter)."""
-    try:
-        from torch.fx.graph import _register_custom_builtin
-    except ImportError:  # pragma: no cover - other torch versions
-        return
-    _register_custom_builtin("fxad_expect_layout",
-                             f"from {__name__} import expect_layout as fxad_expect_layout",
-                             expect_layout)
-
-
-_register_builtins()
+code_builtin("fxad_expect_layout", expect_layout)
 
 
 def _where(x: Any) -> str:

@@ -47,7 +47,7 @@ from ..errors import RuleError
 from ..graph.proxy import _STATE as _PROXY_STATE  # the meta-computation depth
 from ..graph.proxy import fake_mode, in_meta_computation
 from ..graph.shapes import OUTPUT_META
-from ..naming import op_qualname
+from ..naming import code_builtin, op_qualname
 from .registry import Rule, _install, _validate, lookup, missing_rule, op_name
 
 FALLBACK_SOURCE = ("fallback: the VJP is computed by torch.autograd on the op (recomputes the "
@@ -509,19 +509,7 @@ def register_fallbacks() -> int:
     return n
 
 
-def _register_builtins() -> None:
-    try:
-        from torch.fx.graph import _register_custom_builtin
-    except ImportError:  # pragma: no cover
-        return
-    _register_custom_builtin("fxad_autograd_vjp",
-                             "from fxad.rules.fallback import autograd_vjp as fxad_autograd_vjp",
-                             autograd_vjp)
-    _register_custom_builtin("fxad_autograd_jvp",
-                             "from fxad.rules.fallback import autograd_jvp as fxad_autograd_jvp",
-                             autograd_jvp)
-
-
-_register_builtins()
+code_builtin("fxad_autograd_vjp", autograd_vjp)
+code_builtin("fxad_autograd_jvp", autograd_jvp)
 if not os.environ.get("FXAD_NO_FALLBACK"):
     register_fallbacks()

@@ -41,6 +41,7 @@ import torch.fx as fx
 from .. import ops
 from ..graph.proxy import substitute
 from ..simplify.inplace import is_fresh
+from ..naming import code_builtin
 
 __all__ = ["stack_selected_cotangents", "drop_whole_writes", "zeros_of_shape",
            "sum_to_size_as_sum", "write_fresh_in_place", "write_into",
@@ -333,16 +334,4 @@ def accumulate_into_reshaped(gm: fx.GraphModule) -> int:
     return done
 
 
-def _register_builtins() -> None:
-    """Generated code names :func:`write_into` ``fxad_write_into`` and imports it from here
-    (``GraphModule.to_folder`` code runs in a fresh interpreter)."""
-    try:
-        from torch.fx.graph import _register_custom_builtin
-    except ImportError:  # pragma: no cover - other torch versions
-        return
-    _register_custom_builtin("fxad_write_into",
-                             f"from {__name__} import write_into as fxad_write_into",
-                             write_into)
-
-
-_register_builtins()
+code_builtin("fxad_write_into", write_into)

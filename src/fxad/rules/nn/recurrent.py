@@ -67,6 +67,7 @@ import torch.fx as fx
 from .. import fused
 from .._base import _add, _error, randn, value_of
 from ..registry import needs_cotangent, register_vjp
+from ...naming import code_builtin
 
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 _OPS = {"lstm": "torch.lstm", "gru": "torch.gru", "rnn_tanh": "torch.rnn_tanh",
@@ -669,20 +670,8 @@ def onednn_lstm_layer_backward(input: torch.Tensor, w_ih: torch.Tensor, w_hh: to
         has_biases, train, False, [], False, workspace)
 
 
-def _register_builtins() -> None:
-    """Generated code names the two functions ``fxad_onednn_lstm_layer[_backward]`` and
-    imports them from here (``GraphModule.to_folder`` code runs in a fresh interpreter)."""
-    try:
-        from torch.fx.graph import _register_custom_builtin
-    except ImportError:  # pragma: no cover - other torch versions
-        return
-    for fn in (onednn_lstm_layer, onednn_lstm_layer_backward):
-        _register_custom_builtin(f"fxad_{fn.__name__}",
-                                 f"from {__name__} import {fn.__name__} as fxad_{fn.__name__}",
-                                 fn)
-
-
-_register_builtins()
+for _fn in (onednn_lstm_layer, onednn_lstm_layer_backward):  # fxad_onednn_lstm_layer[_backward]
+    code_builtin(f"fxad_{_fn.__name__}", _fn)
 
 
 def _use_onednn(kind: str, packed: bool, weights: list, x: Any, hx: Any) -> bool:
