@@ -6,7 +6,8 @@ runs a Python decomposition instead, a dozen fake ops each building sympy expres
 ``F.layer_norm`` costs 10-25 ms a call, ``F.linear`` on a 3-d input 10-20 ms,
 ``F.cross_entropy`` about 100 ms, against 0.5-1 ms to create one fake tensor of the same
 sizes.  For those ops this module states the result directly: its sizes (from the input
-sizes), dtype, device and strides (always contiguous here).
+sizes), dtype, device and strides (contiguous for a computed result; for a view op, a view
+sharing the input's storage with the strides and offset PyTorch gives it).
 
 Every function applies only where its result is certain without a new guard on a size: the
 sizes it must compare are the same integers or the same ``SymInt`` expressions, the dtypes
@@ -128,9 +129,9 @@ def _empty_strided(like: torch.Tensor, shape: tuple, strides: Any,
 
 def _view(t: torch.Tensor, shape: tuple, strides: Any, offset: Any = None) -> torch.Tensor:
     """A view of ``t`` (sharing its storage, at ``offset``, by default ``t``'s) of
-    ``shape``/``strides``:
-    PyTorch's meta kernel of ``as_strided`` run directly on the fake tensor's meta data, as
-    the fake mode itself runs kernels, without the fake mode's bookkeeping around it."""
+    ``shape``/``strides``: PyTorch's meta kernel of ``as_strided`` run directly on the fake
+    tensor's meta data, as the fake mode itself runs kernels, without the fake mode's
+    bookkeeping around it."""
     mode = getattr(t, "fake_mode", None)
     offset = t.storage_offset() if offset is None else offset
     if mode is None or not isinstance(t, FakeTensor):
@@ -143,8 +144,9 @@ def _view(t: torch.Tensor, shape: tuple, strides: Any, offset: Any = None) -> to
 def fake_like(t: Any) -> torch.Tensor | None:
     """A new fake tensor with ``t``'s sizes, strides, dtype and device, sharing nothing with
     it (what ``t.detach()`` gives a node's metadata, at a third of the cost on symbolic
-    sizes); None where that would not be exact (not a fake tensor with a symbolic size, a
-    storage offset, a constant PyTorch tracks, a requires-grad leaf's ``grad``...)."""
+    sizes); None where that would not be exact or not cheaper: not a fake tensor with a
+    symbolic size, a tensor at a storage offset, or one whose value PyTorch tracks as a
+    constant."""
     if type(t) is not FakeTensor or t.layout != torch.strided or t.constant is not None \
             or not symbolic_tensor(t):
         return None
