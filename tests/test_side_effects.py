@@ -408,18 +408,23 @@ def test_numpy_scalar_draw_is_refused():
         fxad.grad(f, _x(3))
 
 
+def _saved(g, folder, name):
+    """``g`` written with ``to_folder`` and loaded back as a fresh module."""
+    g.to_folder(folder, name)
+    spec = importlib.util.spec_from_file_location(f"{name}_fx", folder / "module.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"{name}_fx"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        return getattr(mod, name)()
+    finally:
+        sys.modules.pop(f"{name}_fx", None)
+
+
 def test_saved_code_is_self_contained(tmp_path):
     x = _x(4, 3)
     g = fxad.vjp(lambda x: seeded(x) + numpy_program(x), x)
-    g.to_folder(tmp_path / "saved", "Saved")
-    spec = importlib.util.spec_from_file_location("saved_fx", tmp_path / "saved" / "module.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["saved_fx"] = mod
-    try:
-        spec.loader.exec_module(mod)
-        saved = mod.Saved()
-    finally:
-        sys.modules.pop("saved_fx", None)
+    saved = _saved(g, tmp_path / "saved", "Saved")
     one = torch.tensor(1.0, dtype=DT)
     np.random.seed(5)
     a = g(x, one)
@@ -583,15 +588,7 @@ def test_numpy_seeded_from_entropy_keeps_replay_or_refusal():
 def test_numpy_seeded_code_saved_with_to_folder(tmp_path):
     x, w = _x(6, 3), _x(3, seed=1)
     g = fxad.vjp(seeded_numpy_program, x, w)
-    g.to_folder(tmp_path / "seeded", "Seeded")
-    spec = importlib.util.spec_from_file_location("seeded_fx", tmp_path / "seeded" / "module.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["seeded_fx"] = mod
-    try:
-        spec.loader.exec_module(mod)
-        saved = mod.Seeded()
-    finally:
-        sys.modules.pop("seeded_fx", None)
+    saved = _saved(g, tmp_path / "seeded", "Seeded")
     one = torch.tensor(1.0, dtype=DT)
     np.random.seed(5)
     a = g(x, w, one)
