@@ -99,7 +99,8 @@ def vjp(f: Callable | torch.nn.Module, *example_inputs: Any, leaf_modules: Itera
             Dim("T")}}`` (the same name: one size).  A named dimension the program fixes is
             an :class:`~fxad.errors.InputError` naming the line.
         values: how a Python decision on a tensor's value is captured: ``"guard"``
-            (default), ``"guard+sizes"`` or ``"refuse"`` (:mod:`fxad.capture.decisions`).
+            (default), ``"guard+sizes"``, ``"guard+unbacked"`` or ``"refuse"``
+            (:mod:`fxad.capture.decisions`).
 
     Raises:
         fxad.errors.MissingRuleError: an op on the differentiation path has no rule (the error

@@ -57,6 +57,7 @@ import torch
 from ._version import __version__
 from .api import grad, show, vjp
 from .argparsing import ArgumentParser, suggest, unrecognized
+from .capture.decisions import POLICIES
 from .check import check
 from .demo.train import QUICK, DemoConfig, run_demo
 from .eject import KINDS, eject
@@ -446,10 +447,12 @@ def _target_arguments(c: argparse.ArgumentParser, *, optional: bool = False) -> 
                    help="keep instances of this nn.Module class as single ops (like "
                         "leaf_modules=; the class needs an fxad.register_vjp rule); a "
                         "class in FILE.py or a dotted path; repeatable")
-    c.add_argument("--values", choices=("guard", "guard+sizes", "refuse"), default="guard",
+    c.add_argument("--values", choices=POLICIES, default="guard",
                    help="Python decisions on tensor values (if, assert, .item()): taken on "
                         "the inputs' values and checked on every call ('guard', default), "
-                        "data-dependent sizes too ('guard+sizes'), or refused ('refuse')")
+                        "data-dependent sizes too ('guard+sizes'), integers read from data "
+                        "as sizes read again on every call ('guard+unbacked'), or refused "
+                        "('refuse')")
 
 
 def build_parser() -> ArgumentParser:
