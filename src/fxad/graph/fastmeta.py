@@ -10,7 +10,8 @@ sizes), dtype, device and strides (contiguous for a computed result; for a view 
 sharing the input's storage with the strides and offset PyTorch gives it).
 
 Every function applies only where its result is certain without a new guard on a size: the
-sizes it must compare are the same integers or the same ``SymInt`` expressions, the dtypes
+sizes it must compare are equal for every value of the symbols
+(:func:`fxad.graph.sizes.known_equal`), the dtypes
 agree, no autocast is active, and the input layouts are the ones for which PyTorch's result
 is contiguous.  Anything else returns ``NotImplemented`` and the caller runs the op through
 PyTorch as before, which then raises the op's own error or records its guards.  A function
@@ -52,6 +53,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .sizes import known_equal as same
+
 __all__ = ["fast_meta", "FAST_META", "symbolic_tensor", "fake_like"]
 
 Result = Any
@@ -70,18 +73,6 @@ def _expr(s: Any) -> Any:
     return s.node.expr if type(s) is torch.SymInt else s
 
 
-def same(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` (ints or SymInts) are equal as written: the same integer or the same
-    expression.  False says "not known equal", never "different"; no guard is added."""
-    if a is b:
-        return True
-    sa, sb = _is_sym(a), _is_sym(b)
-    if not sa and not sb:
-        return a == b
-    ea, eb = _expr(a), _expr(b)
-    return bool(ea == eb) if (sa and sb) else False
-
-
 def _same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
@@ -95,7 +86,7 @@ def _contiguous_strides(shape: Any) -> list:
 
 
 def _is_contiguous(t: torch.Tensor) -> bool:
-    """The strides are the contiguous ones as written (sizes of 1 ignored)."""
+    """The strides are the contiguous ones for every value of the symbols (sizes of 1 ignored)."""
     acc: Any = 1
     for s, st in zip(reversed(tuple(t.shape)), reversed(tuple(t.stride()))):
         if not (not _is_sym(s) and s == 1) and not same(st, acc):
@@ -354,8 +345,8 @@ def _inferred(shape: tuple, numel: Any) -> tuple | None:
 def view_strides(sizes: tuple, strides: tuple, shape: tuple) -> list | None:
     """The strides of ``x.view(shape)`` for ``x`` of ``sizes``/``strides``, by PyTorch's
     rule (``computeStride`` in ATen's TensorUtils.cpp: the new dimensions must split or merge
-    runs of dimensions that lie contiguously in memory), with sizes compared as written; None
-    where that is not certain (PyTorch's own path then decides, with its guards)."""
+    runs of dimensions that lie contiguously in memory), with sizes compared without a
+    guard; None where that is not certain (PyTorch's own path then decides, with its guards)."""
     out: list = [0] * len(shape)
     view_d = len(shape) - 1
     base = strides[-1] if strides else 1
