@@ -4,6 +4,7 @@ only at build time), in float64 against eager PyTorch and autograd."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import warnings
 
@@ -706,3 +707,103 @@ def test_numpy_scalar_draw_after_a_constant_seed_is_a_constant():
         torch.testing.assert_close(v, ev)
         torch.testing.assert_close(d, ed)
         np.testing.assert_array_equal(after, np.random.rand(2))
+
+
+# -- numbers and tensors read only to be logged ----------------------------------------------------
+_LOG = logging.getLogger("fxad_test_program")
+
+
+class _Recorder:
+    """Has logging's method names but is no logger: what it is given is a value of the program."""
+
+    def info(self, *args):
+        self.last = args
+
+
+def logging_numbers(x, w):
+    y = torch.tanh(x @ w)
+    loss = (y * y).mean()
+    _LOG.info("loss %.4f", loss.item())
+    _LOG.warning(f"max {y.max().item():.3f} of {x.shape[0]}")
+    _LOG.debug("not logged at INFO %s", float(loss))
+    logging.getLogger("fxad_test_program").log(logging.INFO, "sum %.4f", y.sum())  # a tensor
+    _LOG.info("plain text")  # no traced value: logged when the program runs at build time
+    return loss
+
+
+def _messages(caplog):
+    out = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    caplog.clear()
+    return out
+
+
+@pytest.mark.parametrize("values", ["guard", "refuse"])
+def test_number_read_only_to_log_is_logged_without_a_guard(caplog, values):
+    caplog.set_level(logging.INFO, logger="fxad_test_program")
+    x, w = _x(4, 3), _x(3, 2, seed=1)
+    g = fxad.grad(logging_numbers, x, w, values=values)
+    assert _messages(caplog) == [("fxad_test_program", logging.INFO, "plain text")]
+    assert not any(n.target is fxad.guards.expect for n in g.graph.nodes)
+    assert "fxad_log('fxad_test_program', 20, 'loss %.4f', float_" in g.code
+    for seed in range(3):
+        xs, ws = _x(4, 3, seed=10 + seed), _x(3, 2, seed=20 + seed)
+        v, (dx, dw) = g(xs, ws)  # other values: no InputError
+        got = _messages(caplog)
+        ev, (edx, edw) = _eager_grad(logging_numbers, xs, ws)
+        want = [m for m in _messages(caplog) if m[2] != "plain text"]
+        assert got == want and len(got) == 3 and "<fxad-value" not in str(got)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(dx, edx)
+        torch.testing.assert_close(dw, edw)
+    # the logger's level is read at call time
+    caplog.set_level(logging.DEBUG, logger="fxad_test_program")
+    g(x, w)
+    assert not any("not logged" in m[2] for m in _messages(caplog))  # below the build's level
+
+
+def test_logged_number_in_compile_and_eject(caplog, tmp_path):
+    caplog.set_level(logging.INFO, logger="fxad_test_program")
+
+    class Logging(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(_x(3, 2, seed=1))
+
+        def forward(self, x):
+            return logging_numbers(x, self.w)
+
+    m, x = Logging(), _x(4, 3)
+    cm = fxad.compile(m, x)
+    for seed in range(2):
+        xs = _x(4, 3, seed=5 + seed)
+        caplog.clear()
+        m.zero_grad()
+        cm(xs).backward()
+        got, grad = _messages(caplog), m.w.grad.clone()
+        m.zero_grad()
+        m(xs).backward()
+        assert got == [r for r in _messages(caplog) if r[2] != "plain text"]
+        torch.testing.assert_close(grad, m.w.grad)
+    w = _x(3, 2, seed=1)
+    fxad.eject(logging_numbers, x, w, path=tmp_path / "logging_numbers.py")
+    ejected = load(tmp_path / "logging_numbers.py")
+    caplog.clear()
+    xs = _x(4, 3, seed=3)
+    out = ejected.vjp(xs, w, torch.tensor(1.0, dtype=DT))
+    got = _messages(caplog)
+    _, (edx, _) = _eager_grad(logging_numbers, xs, w)
+    assert got == [r for r in _messages(caplog) if r[2] != "plain text"]
+    torch.testing.assert_close(out[1][0], edx)
+
+
+def test_number_given_to_an_object_that_is_no_logger_is_guarded():
+    rec = _Recorder()
+
+    def f(x):
+        rec.info("s", x.sum().item())  # not a logger: a value of the program, guarded
+        return x.sum() * 2
+
+    g = fxad.grad(f, _x(3))
+    assert any(n.target is fxad.guards.expect for n in g.graph.nodes)
+    with pytest.raises(fxad.errors.InputError):
+        g(_x(3, seed=4))

@@ -19,6 +19,14 @@ step), so they run on every call, ordered with the random ops around them:
   is read at call time too (``float_1 = float(loss)``), with no value guard
   (:func:`fxad.capture.printed.printed_number`: the line's syntax tree says where the
   number goes);
+* a logging call of the program (``log.info("loss %.3f", loss.item())``, an f-string message,
+  a tensor argument, ``logging.warning(...)``) whose message or arguments hold traced values:
+  one line of the code, ``fxad_log(name, level, msg, *args)`` (:func:`log_at_call`), with
+  the call's values, so the logger's level and handlers are those at call time; a number
+  read only to be logged is read at call time with no guard, as for ``print``.  A message
+  holding no traced value is logged once, at build time, as Python logs it (library
+  warnings logged once per process stay so), and so is one with ``exc_info``, ``extra`` or
+  ``stack_info``; a call below the logger's level at build time is not in the code;
 * NumPy's global random draws (every draw of its global ``RandomState``, and ``seed``,
   ``get_state``, ``set_state``): each draw is a line of the code, so NumPy's state advances as
   in eager code, and an array drawn there that becomes a tensor directly
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import random as py_random
 import re
@@ -60,6 +69,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import CaptureError, SourceLoc
 from ..graph.proxy import to_fake, user_source_loc
+from ..naming import code_builtin
 from .printed import marker, printed_node
 from .state import current, has_tensor
 
@@ -274,6 +284,48 @@ def _print(orig: Any) -> Any:
         return None
     print_.__wrapped__ = orig  # type: ignore[attr-defined]
     return print_
+
+
+# -- logging ----------------------------------------------------------------------------------
+_LOGGING_FILE = os.path.abspath(logging.__file__)
+
+
+def log_at_call(name: str, level: int, msg: Any, *args: Any) -> None:
+    """What the generated code runs for a logging call of the program that logs traced values
+    (``log.info("loss %.3f", loss.item())``): ``logging.getLogger(name).log(level, msg,
+    *args)`` with the call's values, so the logger's level and handlers are consulted at
+    call time."""
+    logging.getLogger(name).log(level, msg, *args)
+
+
+code_builtin("fxad_log", log_at_call)
+
+
+def _logged(orig: Any) -> Any:
+    """``Logger._log`` while capturing: a message of the program's code that holds traced
+    values (a tensor, a number read only to be logged, text formatted from them) becomes a
+    :func:`log_at_call` line of the code at the call's place; any other message is logged
+    now, as Python logs it."""
+    def _log(self: logging.Logger, level: int, msg: Any, args: Any, exc_info: Any = None,
+             extra: Any = None, stack_info: bool = False, stacklevel: int = 1) -> None:
+        cap = current()
+        frame = sys._getframe(1)
+        while frame is not None and os.path.abspath(frame.f_code.co_filename) == _LOGGING_FILE:
+            frame = frame.f_back
+        caller = os.path.abspath(frame.f_code.co_filename) if frame is not None else _FXAD_DIR
+        plain = (msg, *args) if isinstance(args, tuple) else ()
+        traced = [printed_node(cap, a) for a in plain] if cap is not None else []
+        if cap is None or cap.suspended or cap.lift is not None \
+                or caller.startswith((_TORCH_DIR, _FXAD_DIR)) \
+                or exc_info or extra is not None or stack_info or not isinstance(args, tuple) \
+                or not any(t is not a or (isinstance(a, torch.Tensor) and id(a) in cap.env)
+                           or (isinstance(a, str) and _MARK.search(a))
+                           for t, a in zip(traced, plain)):
+            return orig(self, level, msg, args, exc_info, extra, stack_info, stacklevel)
+        traced = [_format_node(cap, a) if isinstance(a, str) else a for a in traced]
+        record_effect(cap, log_at_call, (self.name, level, *traced), {}, None, "logging")
+    _log.__wrapped__ = orig  # type: ignore[attr-defined]
+    return _log
 
 
 # -- NumPy's global random draws ---------------------------------------------------------------
@@ -552,6 +604,7 @@ def effect_patches() -> list[tuple[Any, str, Any, Any]]:
         add(torch.cuda, name, lambda o, n=name: _seeding(o, n))
     add(torch.random, "fork_rng", _fork_rng)
     add(builtins, "print", _print)
+    add(logging.Logger, "_log", _logged)
     add(torch, "from_numpy", _from_numpy)
     for name in PYTHON_DRAWS:
         add(py_random, name, lambda o, n=name: _python_draw(o, n))

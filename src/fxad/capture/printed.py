@@ -10,9 +10,12 @@ only goes into a ``print`` needs neither: the generated code reads it when it pr
 
 Which it is, the program's own line says: the syntax tree of the call the program is making
 (``<expr>.item()``, ``float(<expr>)``, ``int(<expr>)``, found by the frame's instruction
-position) and what it is nested in: an argument of the builtin ``print`` (no ``file=``),
-directly or through f-string fields and ``'...'.format(...)`` arguments.  Anything else (a
-number kept in a variable, compared, computed with) is a value of the program, guarded as
+position) and what it is nested in: an argument of the builtin ``print`` (no ``file=``) or
+of a logging call (``log.info("loss %.3f", loss.item())``, ``logging.warning(...)``, on a
+``logging.Logger`` / ``LoggerAdapter`` or the ``logging`` module, found without running the
+program's code, with no keyword but ``stacklevel``), directly or through f-string fields and
+``'...'.format(...)`` arguments.  Anything else (a number kept in a variable, compared,
+computed with, ``%``-formatted by the program) is a value of the program, guarded as
 before.  Formatting a traced value gives a marker (:func:`marker`), which
 :func:`fxad.capture.effects.formatted` uses for tensors too and the ``print`` of the text
 turns into a ``str.format`` line of the graph.
@@ -22,7 +25,10 @@ Functions of the capture session (:class:`fxad.capture.session.Session`), passed
 from __future__ import annotations
 
 import ast
+import builtins
+import inspect
 import linecache
+import logging
 import os
 import sys
 from typing import Any
@@ -132,10 +138,54 @@ def _call_at(filename: str, pos: tuple) -> Any:
     return None
 
 
+# the methods of a ``logging.Logger`` (and ``LoggerAdapter``, and the module's functions of the
+# root logger) that log a message; keyword arguments other than ``stacklevel``
+# (``exc_info``, ``extra``, ``stack_info``) are not replayed
+LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "fatal", "log"}
+
+
+def _resolved(frame: Any, expr: ast.expr) -> Any:
+    """The object a name or a chain of attributes (``log``, ``self.logger``,
+    ``logging``) stands for in ``frame``, looked up without running any code (no property,
+    no ``__getattr__``); None when it is anything else or not found."""
+    if isinstance(expr, ast.Name):
+        for scope in (frame.f_locals, frame.f_globals, vars(builtins)):
+            if expr.id in scope:
+                return scope[expr.id]
+        return None
+    if isinstance(expr, ast.Attribute):
+        owner = _resolved(frame, expr.value)
+        if owner is None:
+            return None
+        try:
+            return inspect.getattr_static(owner, expr.attr)
+        except AttributeError:
+            return None
+    return None
+
+
+def _sink(frame: Any, call: ast.Call) -> str | None:
+    """What the call ``call`` in ``frame`` is, when it only prints its arguments: ``'print'``
+    (the builtin, no ``file=``), or the logging method (``'info'``, ``'log'``, ...) of a
+    ``logging.Logger`` / ``LoggerAdapter`` or of the ``logging`` module; None otherwise."""
+    if isinstance(call.func, ast.Name) and call.func.id == "print":
+        if "print" in frame.f_locals or "print" in frame.f_globals:
+            return None  # not the builtin
+        return None if any(k.arg == "file" for k in call.keywords) else "print"
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr in LOG_METHODS) \
+            or any(k.arg != "stacklevel" for k in call.keywords):
+        return None
+    owner = _resolved(frame, call.func.value)
+    if isinstance(owner, (logging.Logger, logging.LoggerAdapter)) or owner is logging:
+        return call.func.attr
+    return None
+
+
 def _only_printed(frame: Any, method: str) -> bool:
     """The call the frame is executing is ``<expr>.item()`` / ``float(<expr>)`` /
-    ``int(<expr>)``, and its value goes only into a ``print`` of the builtin: as an argument,
-    through f-string fields and ``'...'.format(...)`` arguments (no ``file=``)."""
+    ``int(<expr>)``, and its value goes only into a ``print`` of the builtin (no ``file=``)
+    or a logging call (:func:`_sink`): as an argument (``float(t)`` / ``int(t)``: only so),
+    or through f-string fields and ``'...'.format(...)`` arguments."""
     code = frame.f_code
     try:
         pos = list(code.co_positions())[frame.f_lasti // 2]
@@ -153,13 +203,15 @@ def _only_printed(frame: Any, method: str) -> bool:
               and len(call.args) == 1):
         return False
     direct = method != "item"  # float(t), int(t): plain numbers, printed as arguments only
-    if "print" in frame.f_locals or "print" in frame.f_globals:
-        return False  # not the builtin
     node: Any = call
     while True:
         parent = getattr(node, "fxad_parent", None)
-        if direct and not (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
-                           and parent.func.id == "print"):
+        if isinstance(parent, ast.Call) and node in parent.args:
+            sink = _sink(frame, parent)
+            if sink is not None:
+                # the level of `logger.log(level, msg, ...)` is not printed
+                return not (sink == "log" and parent.args.index(node) == 0)
+        if direct:
             return False
         if isinstance(parent, ast.FormattedValue) and parent.value is node:
             node = getattr(parent, "fxad_parent", None)  # the f-string
@@ -169,9 +221,6 @@ def _only_printed(frame: Any, method: str) -> bool:
                 and isinstance(parent.func, ast.Attribute) and parent.func.attr == "format" \
                 and isinstance(parent.func.value, (ast.Constant, ast.JoinedStr)):
             node = parent  # '...'.format(value)
-        elif isinstance(parent, ast.Call) and node in parent.args \
-                and isinstance(parent.func, ast.Name) and parent.func.id == "print":
-            return not any(k.arg == "file" for k in parent.keywords)
         else:
             return False
 
