@@ -284,6 +284,63 @@ def test_variable_left_different_is_refused_where_it_is_used():
         fxad.vjp(Collect().train(), torch.randn(2, 4))
 
 
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+def _exists(v):
+    return v is not None
+
+
+@pytest.mark.parametrize("read", ["is", "isinstance", "call", "store"])
+def test_variable_left_none_or_an_object_is_refused_at_any_read(read):
+    # Python answers `s is None`, `isinstance(s, T)` and passes `s` on without asking the
+    # object: each would decide on the one branch capture saw (a silent wrong gradient)
+    box = {}
+
+    def f(x):
+        s = None
+        if torch.rand(()) < 0.5:
+            s = _Holder(x)
+        if read == "is":
+            taken = s is not None
+        elif read == "isinstance":
+            taken = isinstance(s, _Holder)
+        elif read == "call":
+            taken = _exists(s)
+        else:
+            box["s"] = s
+            taken = True
+        return (x * (2 if taken else 3)).sum()
+
+    with pytest.raises(DataDependentError, match=r"`s` is used after an `if` on a random draw"
+                       r"(.|\n)*test_autograph.py:\d+ in f: (taken|box)"):
+        fxad.grad(f, torch.randn(3, dtype=torch.float64))
+
+
+def test_variable_left_different_but_never_read_passes():
+    def f(x):
+        s = None
+        for _ in range(2):
+            if torch.rand(()) < 0.5:
+                s = _Holder(x)  # never read again
+                x = torch.sin(x)
+        return (x * x).sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    g = fxad.grad(f, x)
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        got = g(x)
+        torch.manual_seed(seed)
+        xe = x.clone().requires_grad_()
+        want = f(xe)
+        want.backward()
+        torch.testing.assert_close(got[0], want.detach())
+        torch.testing.assert_close(got[1][0], xe.grad)
+
+
 def test_random_number_as_python_float_is_refused():
     def f(x):
         if torch.rand(1).item() < 0.5:

@@ -30,8 +30,11 @@ out of anything but ``if`` blocks, yields, deletes, declares ``global``/``nonloc
 mutates an object (``lst.append``, ``self.x = ...``: both branches run while capturing); a
 decision outside an ``if`` test (``while``, ``assert``, ``.item()``); a function the traced
 program creates anew on each call (a ``def`` inside ``forward``).  A variable that the
-branches leave different (bound in one only, other shapes) is bound to a value that raises
-that error where it is used.
+branches leave different (bound in one only, other shapes, ``None`` in one and an object in
+the other) is bound to a value (:class:`Undefined`) that raises that error where it is read:
+every read of a name a converted ``if`` assigns goes through :func:`use`, because Python
+answers ``v is None``, ``isinstance(v, T)``, and passes ``v`` to a function or into an object
+without asking ``v``.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from .control import BranchMismatch, capture_if
 from .state import current
 
 __all__ = ["RestartCapture", "random_decision", "patched", "attached_graphs", "if_stmt", "if_exp", "not_",
-           "and_", "or_", "depends_on_random", "MAX_RESTARTS"]
+           "and_", "or_", "use", "depends_on_random", "MAX_RESTARTS"]
 
 MAX_RESTARTS = 8
 _HELPERS = "_fxad_autograph"
@@ -246,6 +249,15 @@ def if_exp(pred: Any, a: Callable[[], Any], b: Callable[[], Any],
 def unbound(v: Any) -> bool:
     """``v`` stands for a variable that has no value (it is deleted again)."""
     return isinstance(v, _Unbound)
+
+
+def use(v: Any) -> Any:
+    """``v``, read by the rewritten program: an :class:`Undefined` raises its error here,
+    whatever the read is (``v is None``, ``isinstance(v, T)``, passing or storing ``v``,
+    which Python would answer without asking ``v``)."""
+    if isinstance(v, Undefined):
+        v._fail()
+    return v
 
 
 # -- the decision: rewrite and restart, or refuse -----------------------------------------
@@ -569,9 +581,12 @@ class _Converter:
                   for n in ast.walk(s.test) if isinstance(n, ast.Name)}
         self.tested = tested
         self.count = 0
+        self.tracked: set[str] = set()  # the names a converted `if` assigns
 
     def run(self) -> None:
         self.fdef.body = self.block(self.fdef.body)
+        if self.tracked:
+            _ReadsChecked(self.tracked).visit(self.fdef)
         first = (self.fdef.args.posonlyargs + self.fdef.args.args)[:1]
         if first:  # zero-argument super() inside a branch function: explicit arguments
             for n in ast.walk(self.fdef):
@@ -662,6 +677,7 @@ class _Converter:
         self.count += 1
         k = self.count
         names = _assigned(s.body + s.orelse)
+        self.tracked.update(names)
         body = self.block(s.body)
         orelse = self.block(s.orelse)
         for ln in range(s.test.lineno, (s.test.end_lineno or s.test.lineno) + 1):
@@ -669,7 +685,8 @@ class _Converter:
         test = self.expr(s.test, True)
 
         def branch(name: str, stmts: list[ast.stmt]) -> ast.FunctionDef:
-            ret = ast.Return(ast.Tuple([ast.Name(n, ast.Load()) for n in names], ast.Load()))
+            ret = ast.Return(ast.Tuple([_raw(ast.Name(n, ast.Load())) for n in names],
+                                       ast.Load()))
             fn = ast.FunctionDef(
                 name=name, args=ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in names],
                                               vararg=None, kwonlyargs=[], kw_defaults=[],
@@ -686,10 +703,34 @@ class _Converter:
         out: list[ast.stmt] = [branch(t_name, body), branch(f_name, orelse),
                                _here(ast.Assign([target], call), s.lineno)]
         for n in names:  # a variable the taken branch left unbound is unbound again
-            test_unbound = _helper("unbound", [ast.Name(n, ast.Load())], s)
+            test_unbound = _helper("unbound", [_raw(ast.Name(n, ast.Load()))], s)
             out.append(_here(ast.If(test_unbound, [ast.Delete(
                 [ast.Name(n, ast.Del())])], []), s.lineno))
         return out
+
+
+def _raw(name: ast.Name) -> ast.Name:
+    """A read the rewrite itself makes (a branch returning its variables, the test for an
+    unbound one): it passes an :class:`Undefined` on instead of raising."""
+    name.fxad_raw = True  # type: ignore[attr-defined]
+    return name
+
+
+class _ReadsChecked(ast.NodeTransformer):
+    """Every read of a name some converted ``if`` assigns becomes ``use(name)``, so that a
+    variable the branches leave different (:class:`Undefined`) raises at any read: Python
+    answers ``v is None``, ``type(v)``, ``isinstance(v, T)`` and passes ``v`` on without
+    asking the object, and each of those would otherwise decide on the one value capture
+    saw."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if isinstance(node.ctx, ast.Load) and node.id in self.names \
+                and not getattr(node, "fxad_raw", False):
+            return _helper("use", [node], node)
+        return node
 
 
 def _fold_continue(stmts: list[ast.stmt]) -> list[ast.stmt]:
