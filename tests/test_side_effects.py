@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import random
 import sys
 import warnings
 
@@ -194,20 +195,90 @@ def test_build_leaves_the_random_states_alone():
         np.testing.assert_array_equal(np.random.rand(3), want[1])
 
 
-def test_python_random_draw_is_refused_naming_the_line():
-    import random
+def python_layerdrop(x, w):
+    for _ in range(4):
+        scale = random.uniform(0.5, 1.5)
+        if random.random() < 0.5:  # LayerDrop with Python's generator: a torch.cond
+            x = torch.tanh(x @ w) * scale
+    return (x * x).sum()
 
+
+def test_python_float_draws_replayed_on_every_call():
+    x, w = _x(2, 3), _x(3, 3, seed=1)
+    state = random.getstate()
+    g = fxad.grad(python_layerdrop, x, w)
+    assert random.getstate() == state  # nothing drawn from Python's generator by the build
+    assert "fxad_python_draw('uniform', 0.5, 1.5)" in g.code and "fxad_cond(" in g.code
+    outs = set()
+    for seed in range(8):
+        random.seed(seed)
+        v, (dx, dw) = g(x, w)
+        after = random.getstate()
+        random.seed(seed)
+        ev, (edx, edw) = _eager_grad(python_layerdrop, x, w)
+        assert random.getstate() == after  # Python's state advanced as eager's
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(dx, edx)
+        torch.testing.assert_close(dw, edw)
+        outs.add(round(float(v), 9))
+    assert len(outs) > 2  # the layers run and are skipped as the draws say
+
+
+def test_python_draws_in_compile():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(_x(3, 3, seed=1))
+
+        def forward(self, x):
+            return python_layerdrop(x, self.w)
+
+    m, x = Drop().train(), _x(2, 3)
+    cm = fxad.compile(m, x)
+    for seed in range(4):
+        random.seed(seed)
+        m.zero_grad()
+        v = cm(x)
+        v.backward()
+        got = (v.detach(), m.w.grad.clone())
+        random.seed(seed)
+        m.zero_grad()
+        ev = m(x)
+        ev.backward()
+        torch.testing.assert_close(got[0], ev.detach())
+        torch.testing.assert_close(got[1], m.w.grad)
+
+
+def test_python_integer_draw_is_refused_naming_the_line():
     def f(x):
-        if random.random() < 2.0:
-            x = x * 2
-        return x.sum()
+        k = random.randint(1, 3)
+        return (x * k).sum()
 
     state = random.getstate()
-    with pytest.raises(fxad.errors.CaptureError, match=r"random.random draws a Python value") as e:
+    with pytest.raises(fxad.errors.CaptureError, match=r"random.randint draws a Python value") as e:
         fxad.grad(f, _x(3))
     assert e.value.loc is not None and e.value.loc.lineno == f.__code__.co_firstlineno + 1
     assert "torch.rand(())" in str(e.value)
-    assert random.getstate() == state  # nothing drawn from Python's generator by the build
+    assert random.getstate() == state
+
+
+@pytest.mark.parametrize("effect", ["random", "numpy", "seed"])
+def test_effects_inside_a_branch_are_refused_naming_the_line(effect):
+    # capture runs both branches and the branch's derivative runs it again: the effect
+    # cannot happen once per call (a Python draw there was a constant of the code before)
+    def f(x):
+        if torch.rand(()) < 0.5:
+            if effect == "random":
+                x = x * random.random()
+            elif effect == "numpy":
+                x = x * torch.tensor(np.random.rand(3))
+            else:
+                torch.manual_seed(0)
+        return (x * x).sum()
+
+    with pytest.raises(fxad.errors.CaptureError, match=r"inside a torch.cond / while_loop / "
+                       r"scan body(.|\n)*test_side_effects.py:\d+ in \w+: (x = x \*|torch.manual)"):
+        fxad.grad(f, _x(3))
 
 
 # -- print -----------------------------------------------------------------------------------

@@ -533,8 +533,10 @@ def _obstacle(stmts: Sequence[ast.stmt], declared: set[str]) -> str | None:
             return (f"a branch changes an object (`{ast.unparse(node.func)}(...)`), which would "
                     "happen for both branches while capturing")
         inner = loop + isinstance(node, (ast.For, ast.While, ast.AsyncFor))
+        # a loop's `else:` block is outside the loop (an `a if c else b` has an expression)
+        after = node.orelse if isinstance(getattr(node, "orelse", None), list) else ()
         for child in ast.iter_child_nodes(node):
-            why = visit(child, inner if child not in getattr(node, "orelse", ()) else loop)
+            why = visit(child, inner if child not in after else loop)
             if why:
                 return why
         return None

@@ -61,7 +61,7 @@ import re
 import sys
 import sysconfig
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 import torch.fx as fx
@@ -90,10 +90,14 @@ _TORCH_SEEDING = (("manual_seed", torch), ("manual_seed", torch.random),
                   ("set_rng_state", torch), ("set_rng_state", torch.random),
                   ("get_rng_state", torch), ("get_rng_state", torch.random))
 _CUDA_SEEDING = ("manual_seed", "manual_seed_all", "set_rng_state", "get_rng_state")
-# Python's own random module: its draws are Python values, fixed at build time (refused)
-PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle",
-                "sample", "gauss", "normalvariate", "betavariate", "expovariate",
-                "getrandbits", "triangular")
+# Python's own random module: its float draws are replayed by the generated code
+# (:func:`python_draw`); the others (integers, choices, permutations) would be fixed at build
+# time: refused
+PYTHON_FLOAT_DRAWS = ("random", "uniform", "gauss", "normalvariate", "lognormvariate",
+                      "betavariate", "expovariate", "gammavariate", "vonmisesvariate",
+                      "paretovariate", "weibullvariate", "triangular")
+PYTHON_DRAWS = PYTHON_FLOAT_DRAWS + ("randint", "randrange", "choice", "choices", "shuffle",
+                                     "sample", "getrandbits", "binomialvariate")
 _GET_STATE, _SET_STATE = torch.random.get_rng_state, torch.random.set_rng_state
 
 
@@ -129,11 +133,21 @@ def _active(depth: int = 2, bodies: bool = False) -> Any:
     return None if caller.startswith((_TORCH_DIR, _FXAD_DIR)) else cap
 
 
+def _effect_site(what: str) -> Any:
+    """:func:`_active` for an effect that cannot happen inside a control-flow body: the
+    capture to record it in, None for a call that is not the program's, and
+    :func:`_refuse_in_body` inside a body."""
+    cap = _active(depth=3, bodies=True)
+    if cap is not None and cap.lift is not None:
+        _refuse_in_body(what, user_source_loc())
+    return cap
+
+
 # -- torch's random-number generator ---------------------------------------------------------
 def _seeding(orig: Any, name: str) -> Any:
     """``orig`` (a seeding or RNG-state function) recorded as an effect while capturing."""
     def seeding(*args: Any, **kwargs: Any) -> Any:
-        cap = _active()
+        cap = _effect_site(f"torch.{name}")
         if cap is None:
             return orig(*args, **kwargs)
         if name == "get_rng_state":
@@ -153,7 +167,7 @@ def _fork_rng(orig: Any) -> Any:
     """``torch.random.fork_rng`` recorded as reading the state on entry and writing it back
     on exit (the CPU generator's, and CUDA's where CUDA is initialized)."""
     def fork_rng(devices: Any = None, enabled: bool = True, *args: Any, **kwargs: Any) -> Any:
-        cap = _active()
+        cap = _effect_site("torch.random.fork_rng")
         if cap is None or not enabled:
             return orig(devices, enabled, *args, **kwargs)
         return forked(cap, devices, kwargs)
@@ -416,7 +430,7 @@ def _numpy_state_call(cap: Any, orig: Any, name: str, args: tuple, kwargs: dict)
 
 def _numpy_draw(orig: Any, name: str) -> Any:
     def draw(*args: Any, **kwargs: Any) -> Any:
-        cap = _active()
+        cap = _effect_site(f"numpy.random.{name}")
         if cap is None or has_tensor((args, kwargs)):
             return orig(*args, **kwargs)
         if name in ("seed", "set_state", "get_state"):
@@ -562,21 +576,61 @@ def _from_numpy(orig: Any) -> Any:
 
 
 # -- Python's random module ---------------------------------------------------------------------
+def _refuse_in_body(what: str, loc: SourceLoc | None) -> NoReturn:
+    """Refuse an effect inside a control-flow body (a ``torch.cond`` branch, also one made
+    from an ``if`` on a random draw, a ``while_loop`` / ``scan`` body): capture runs every
+    branch once, and the body's derivative runs it again, so the effect cannot happen as in
+    eager code."""
+    raise CaptureError(
+        f"{what} is called inside a torch.cond / while_loop / scan body (the branches of an "
+        "`if` on a random draw are one): fxad runs every branch while tracing and the "
+        "derivative runs the body again, so the effect cannot happen once per call as in "
+        "eager code", op=what, loc=loc,
+        hint="make the call before the `if` or the loop (draw the number there and use it "
+             "inside)")
+
+
+def python_draw(name: str, *args: Any) -> torch.Tensor:
+    """What the generated code runs for a draw of Python's ``random`` module that returns a
+    float (``random.random()``, ``random.uniform(a, b)``, ``random.gauss(mu, sigma)``, ...):
+    the same call on Python's generator, at the program's place, as a 0-d float64 tensor
+    (exact: a Python float is an IEEE double), so Python's state advances as in eager code
+    and the program's decisions on it (``if random() < p:``) are taken on every call."""
+    return torch.tensor(getattr(py_random, name)(*args), dtype=torch.float64)
+
+
+code_builtin("fxad_python_draw", python_draw)
+
+
 def _python_draw(orig: Any, name: str) -> Any:
     def draw(*args: Any, **kwargs: Any) -> Any:
-        cap = _active()
-        if cap is not None:
-            # the value would be drawn once, at build time, and kept by the generated code
-            # on every call (a layer kept or skipped stays so): refused, as NumPy's scalar
-            # draws are
+        cap = _effect_site(f"random.{name}")
+        if cap is None:
+            return orig(*args, **kwargs)
+        loc = user_source_loc()
+        if name not in PYTHON_FLOAT_DRAWS or kwargs or has_tensor(args) \
+                or not all(isinstance(a, (int, float)) for a in args):
+            # an integer, a choice, a permutation: the value would be drawn once, at build
+            # time, and kept by the generated code on every call (a layer kept or skipped
+            # stays so)
             raise CaptureError(
                 f"random.{name} draws a Python value inside the traced program: the "
                 "generated code would keep the value drawn once, at build time, on every "
-                "call", op=f"random.{name}", loc=user_source_loc(),
+                "call", op=f"random.{name}", loc=loc,
                 hint="draw with torch (`if torch.rand(()) < p:`, which fxad turns into a "
-                     "torch.cond drawn on every call), or draw outside the traced function "
-                     "and pass the value in as an argument")
-        return orig(*args, **kwargs)
+                     "torch.cond drawn on every call, or torch.randint / torch.randperm), "
+                     "draw a float with random.random() / random.uniform(a, b), or draw "
+                     "outside the traced function and pass the value in as an argument")
+        # a float: drawn by the generated code on every call, a 0-d float64 tensor while
+        # tracing (nothing is drawn from Python's generator now)
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            val = to_fake(torch.zeros((), dtype=torch.float64))
+        node = cap.graph.create_node("call_function", python_draw, (name, *args), {})
+        node.meta.update(val=val, fxad_side_effect=True, fxad_no_grad=True,
+                         fxad_draws_random=True)
+        cap.stamp(node)
+        cap.track(val, node)
+        return val
     draw.__name__ = name
     draw.__wrapped__ = orig  # type: ignore[attr-defined]
     return draw
