@@ -470,13 +470,45 @@ def test_numpy_draw_changed_in_place_is_refused():
         fxad.grad(f, _x(3))
 
 
-def test_numpy_scalar_draw_is_refused():
-    def f(x):
-        if np.random.rand() < 0.5:
-            return x.sum()
-        return x.prod()
+def numpy_layerdrop(x, w):
+    for _ in range(3):
+        p = np.random.rand()
+        if not p < 0.5:  # LayerDrop as older code writes it with NumPy: a torch.cond
+            x = torch.tanh(x @ w) * np.random.uniform(0.5, 1.5)
+    return (x * x).sum()
 
-    with pytest.raises(CaptureError, match="numpy.random.rand draws a number"):
+
+def test_numpy_float_draw_replayed_as_a_decision():
+    x, w = _x(2, 3), _x(3, 3, seed=1)
+    with pytest.raises(CaptureError, match="inside a torch.cond"):  # drawn in the branch
+        fxad.grad(numpy_layerdrop, x, w)
+
+    def drawn_before(x, w):
+        for _ in range(3):
+            p, scale = np.random.rand(), np.random.uniform(0.5, 1.5)
+            if not p < 0.5:
+                x = torch.tanh(x @ w) * scale
+        return (x * x).sum() + w.sum()
+
+    g = fxad.grad(drawn_before, x, w)
+    assert "fxad_numpy_draw('rand')" in g.code and "fxad_cond(" in g.code
+    for seed in range(6):
+        np.random.seed(seed)
+        v, (dx, dw) = g(x, w)
+        after = np.random.get_state()[1].copy()
+        np.random.seed(seed)
+        ev, (edx, edw) = _eager_grad(drawn_before, x, w)
+        assert np.array_equal(np.random.get_state()[1], after)
+        torch.testing.assert_close(v, ev)
+        torch.testing.assert_close(dx, edx)
+        torch.testing.assert_close(dw, edw)
+
+
+def test_numpy_integer_scalar_draw_is_refused():
+    def f(x):
+        return x[: np.random.randint(1, 3)].sum()
+
+    with pytest.raises(CaptureError, match="numpy.random.randint draws a number"):
         fxad.grad(f, _x(3))
 
 
@@ -878,3 +910,18 @@ def test_number_given_to_an_object_that_is_no_logger_is_guarded():
     assert any(n.target is fxad.guards.expect for n in g.graph.nodes)
     with pytest.raises(fxad.errors.InputError):
         g(_x(3, seed=4))
+
+
+def test_python_draw_code_ejects(tmp_path):
+    def f(x):
+        return (x * random.uniform(1.0, 2.0)).sum()
+
+    x = _x(3)
+    fxad.eject(f, x, path=tmp_path / "drawing.py")
+    ejected = load(tmp_path / "drawing.py")
+    random.seed(3)
+    out = ejected.vjp(x, torch.tensor(1.0, dtype=DT))
+    random.seed(3)
+    ev, (edx,) = _eager_grad(f, x)
+    torch.testing.assert_close(out[0], ev)
+    torch.testing.assert_close(out[1][0], edx)

@@ -63,6 +63,9 @@ _PROVIDED = {"torch": "import torch", "inf": "from math import inf",
              "bool": "from builtins import bool", "complex": "from builtins import complex",
              "fxad_numpy_of": "from fxad.capture.effects import numpy_of as fxad_numpy_of",
              "fxad_log": "from fxad.capture.effects import log_at_call as fxad_log",
+             "fxad_python_draw":
+                 "from fxad.capture.effects import python_draw as fxad_python_draw",
+             "fxad_numpy_draw": "from fxad.capture.effects import numpy_draw as fxad_numpy_draw",
              # guards of decisions on tensor values (fxad.capture.decisions)
              "fxad_expect": "from fxad.guards import expect as fxad_expect",
              # layout guards of strided ops (fxad.rules._base)

@@ -450,6 +450,11 @@ def _numpy_draw(orig: Any, name: str) -> Any:
                      "then constants), or draw outside the traced function and pass the "
                      "result in as a tensor input")
         out = orig(*args, **kwargs)
+        if isinstance(out, (float, np.floating)) and not kwargs \
+                and all(isinstance(a, (int, float)) for a in args):
+            # one float (`if np.random.rand() < p:`): drawn by the code on every call, a
+            # 0-d float64 tensor while tracing, as Python's float draws
+            return _draw_node(cap, numpy_draw, (name, *args))
         if out is not None and not isinstance(out, np.ndarray):
             raise CaptureError(
                 f"numpy.random.{name} draws a number ({type(out).__name__}) that the "
@@ -599,7 +604,27 @@ def python_draw(name: str, *args: Any) -> torch.Tensor:
     return torch.tensor(getattr(py_random, name)(*args), dtype=torch.float64)
 
 
+def numpy_draw(name: str, *args: Any) -> torch.Tensor:
+    """As :func:`python_draw`, for a draw of NumPy's global generator that returns one float
+    (``np.random.rand()``, ``np.random.uniform(a, b)``, ``np.random.normal()``)."""
+    return torch.tensor(float(getattr(np_random, name)(*args)), dtype=torch.float64)
+
+
 code_builtin("fxad_python_draw", python_draw)
+code_builtin("fxad_numpy_draw", numpy_draw)
+
+
+def _draw_node(cap: Any, target: Any, args: tuple) -> torch.Tensor:
+    """A node ``target(*args)`` drawing one float at call time (a 0-d float64 tensor), kept
+    in place and never merged or recomputed: its fake value, which random decisions see as
+    drawn (``meta['fxad_draws_random']``)."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        val = to_fake(torch.zeros((), dtype=torch.float64))
+    node = cap.graph.create_node("call_function", target, args, {})
+    node.meta.update(val=val, fxad_side_effect=True, fxad_no_grad=True, fxad_draws_random=True)
+    cap.stamp(node)
+    cap.track(val, node)
+    return val
 
 
 def _python_draw(orig: Any, name: str) -> Any:
@@ -623,14 +648,7 @@ def _python_draw(orig: Any, name: str) -> Any:
                      "outside the traced function and pass the value in as an argument")
         # a float: drawn by the generated code on every call, a 0-d float64 tensor while
         # tracing (nothing is drawn from Python's generator now)
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            val = to_fake(torch.zeros((), dtype=torch.float64))
-        node = cap.graph.create_node("call_function", python_draw, (name, *args), {})
-        node.meta.update(val=val, fxad_side_effect=True, fxad_no_grad=True,
-                         fxad_draws_random=True)
-        cap.stamp(node)
-        cap.track(val, node)
-        return val
+        return _draw_node(cap, python_draw, (name, *args))
     draw.__name__ = name
     draw.__wrapped__ = orig  # type: ignore[attr-defined]
     return draw
