@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fxad
-from fxad.capture import autograph
+from fxad.capture import autograph, ifrewrite
 from fxad.errors import DataDependentError
 
 SEEDS = range(8)
@@ -160,7 +160,7 @@ def test_layerdrop_becomes_cond_and_matches_eager(cls):
     values = _grads_close(ref, g, (x,))
     assert len(values) > 2  # different layers skipped on different calls
     # the rewrite lasted the capture only
-    assert type(m).forward.__code__ not in autograph._REWRITTEN
+    assert type(m).forward.__code__ not in autograph.REWRITTEN
 
 
 def test_continue_form_and_a_second_input():
@@ -341,6 +341,52 @@ def test_variable_left_different_but_never_read_passes():
         torch.testing.assert_close(got[1][0], xe.grad)
 
 
+class Collecting(Encoder):
+    """A LayerDrop loop whose skipped body also collects hidden states when asked."""
+
+    def forward(self, h, output_hidden_states=False):
+        hiddens = []
+        for layer in self.layers:
+            if torch.rand([]) < self.layerdrop:
+                continue
+            h = layer(h)
+            if output_hidden_states:
+                hiddens.append(h)
+            parts = []  # a list the branch makes itself: changing it is no obstacle
+            parts.append(h * 0.5)
+            parts.append(h * 0.5)
+            h = parts[0] + parts[1]
+        return (h * h).sum() + sum(x.sum() for x in hiddens)
+
+
+def test_branch_that_changes_objects_only_when_asked_becomes_cond():
+    torch.manual_seed(0)
+    m, x = Collecting().train(), torch.randn(2, 4)
+    g, ref = _vjp(m, x)
+    assert _conds(g.code) >= 2
+    assert len(_grads_close(ref, g, (x,))) > 2
+
+
+def test_branch_changing_an_outer_object_is_refused_where_it_changes_it():
+    m, x = Collecting().train(), torch.randn(2, 4)
+    with pytest.raises(DataDependentError, match=r"changes an object that exists outside it "
+                       r"\(`hiddens.append\(...\)`\)(.|\n)*test_autograph.py:\d+ in forward: "
+                       r"hiddens.append\(h\)"):
+        fxad.vjp(lambda x: m(x, output_hidden_states=True), x)
+
+    class Counting(Encoder):
+        def forward(self, h):
+            for layer in self.layers:
+                if torch.rand([]) < self.layerdrop:
+                    self.ran = layer
+                    h = layer(h)
+            return h.sum()
+
+    with pytest.raises(DataDependentError, match=r"\(`self.ran = ...`\)(.|\n)*in forward: "
+                       r"self.ran = layer"):
+        fxad.vjp(Counting().train(), x)
+
+
 def test_random_number_as_python_float_is_refused():
     def f(x):
         if torch.rand(1).item() < 0.5:
@@ -362,7 +408,7 @@ def test_python_semantics_kept_for_python_values():
             return z
         return y, z
 
-    code = autograph._rewrite(f)
+    code = ifrewrite.rewrite(f)
     g = type(f)(code, f.__globals__, "g", f.__defaults__, f.__closure__)
     for flag in (0, 1, [], [2]):
         for other in (0, "", "s"):
@@ -390,7 +436,7 @@ def test_python_semantics_kept_for_loops_with_continue():
             out.append(x)
         return out
 
-    g = type(f)(autograph._rewrite(f), f.__globals__, "g")
+    g = type(f)(ifrewrite.rewrite(f), f.__globals__, "g")
     for a in (2, 3):
         for b in (2, 4, 5):
             assert g(range(12), a, b) == f(range(12), a, b)
