@@ -925,3 +925,24 @@ def test_python_draw_code_ejects(tmp_path):
     ev, (edx,) = _eager_grad(f, x)
     torch.testing.assert_close(out[0], ev)
     torch.testing.assert_close(out[1][0], edx)
+
+
+def test_logging_of_values_that_cannot_be_replayed_is_announced():
+    def f(x):
+        y = torch.sin(x).sum()
+        _LOG.warning("y %s", y, extra={"tag": 1})
+        return y
+
+    with pytest.warns(UserWarning, match=r"logging call at .*test_side_effects.py:\d+ .*with "
+                                         r"exc_info, extra"):
+        g = fxad.grad(f, _x(3))
+    assert "fxad_log" not in g.code
+
+    def h(x):
+        if torch.rand(()) < 0.5:
+            x = x * 2
+            _LOG.warning("x %s", x.sum())
+        return x.sum()
+
+    with pytest.warns(UserWarning, match=r"logging call at .* inside a torch.cond"):
+        fxad.grad(h, _x(3))

@@ -327,14 +327,22 @@ def _logged(orig: Any) -> Any:
         while frame is not None and os.path.abspath(frame.f_code.co_filename) == _LOGGING_FILE:
             frame = frame.f_back
         caller = os.path.abspath(frame.f_code.co_filename) if frame is not None else _FXAD_DIR
-        plain = (msg, *args) if isinstance(args, tuple) else ()
-        traced = [printed_node(cap, a) for a in plain] if cap is not None else []
-        if cap is None or cap.suspended or cap.lift is not None \
-                or caller.startswith((_TORCH_DIR, _FXAD_DIR)) \
-                or exc_info or extra is not None or stack_info or not isinstance(args, tuple) \
-                or not any(t is not a or (isinstance(a, torch.Tensor) and id(a) in cap.env)
-                           or (isinstance(a, str) and _MARK.search(a))
-                           for t, a in zip(traced, plain)):
+        if cap is None or cap.suspended or caller.startswith((_TORCH_DIR, _FXAD_DIR)):
+            return orig(self, level, msg, args, exc_info, extra, stack_info, stacklevel)
+        plain = (msg, *args) if isinstance(args, tuple) else (msg, args)
+        traced = [printed_node(cap, a) for a in plain]
+        if not any(t is not a or (isinstance(a, torch.Tensor) and id(a) in cap.env)
+                   or (isinstance(a, str) and _MARK.search(a)) for t, a in zip(traced, plain)):
+            return orig(self, level, msg, args, exc_info, extra, stack_info, stacklevel)
+        if cap.lift is not None or exc_info or extra is not None or stack_info \
+                or not isinstance(args, tuple):
+            where = "inside a torch.cond / while_loop / scan body" if cap.lift is not None \
+                else "with exc_info, extra, stack_info or a mapping of arguments"
+            warnings.warn(
+                f"logging call at {_loc_text(user_source_loc())} {where} logs tensor values: it "
+                "logged once, at build time, without values, and the generated code does not "
+                "log it; log after the call, or with a message and plain arguments",
+                UserWarning, stacklevel=3)
             return orig(self, level, msg, args, exc_info, extra, stack_info, stacklevel)
         traced = [_format_node(cap, a) if isinstance(a, str) else a for a in traced]
         record_effect(cap, log_at_call, (self.name, level, *traced), {}, None, "logging")
