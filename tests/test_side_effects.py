@@ -722,7 +722,7 @@ def test_number_read_only_to_print_is_printed_without_a_guard(capsys, values):
     assert capsys.readouterr().out == ""  # nothing printed at build time
     assert not any(n.target is fxad.guards.expect for n in g.graph.nodes)
     code = g.code
-    assert "'loss {:.4f} max {!r}'.format(" in code and "print(float_" in code
+    assert "'loss {:.4f} max {!r}'.format(" in code and "print(printed_" in code and "fxad_printed(" in code
     for seed in range(3):
         xs, ws = _x(4, 3, seed=10 + seed), _x(3, 2, seed=20 + seed)
         v, (dx, dw) = g(xs, ws)  # other values: no InputError
@@ -847,7 +847,7 @@ def test_number_read_only_to_log_is_logged_without_a_guard(caplog, values):
     g = fxad.grad(logging_numbers, x, w, values=values)
     assert _messages(caplog) == [("fxad_test_program", logging.INFO, "plain text")]
     assert not any(n.target is fxad.guards.expect for n in g.graph.nodes)
-    assert "fxad_log('fxad_test_program', 20, 'loss %.4f', float_" in g.code
+    assert "fxad_log('fxad_test_program', 20, 'loss %.4f', printed" in g.code
     for seed in range(3):
         xs, ws = _x(4, 3, seed=10 + seed), _x(3, 2, seed=20 + seed)
         v, (dx, dw) = g(xs, ws)  # other values: no InputError
@@ -946,3 +946,37 @@ def test_logging_of_values_that_cannot_be_replayed_is_announced():
 
     with pytest.warns(UserWarning, match=r"logging call at .* inside a torch.cond"):
         fxad.grad(h, _x(3))
+
+
+def test_effects_survive_tracing_the_generated_code_again(capsys, caplog):
+    # the gradient of a gradient traces fxad's own code: its draws stay draws (a constant
+    # before), its printed and logged numbers stay unguarded
+    caplog.set_level(logging.INFO, logger="fxad_test_program")
+
+    def f(x):
+        s = random.uniform(0.5, 1.5) * np.random.uniform(0.5, 1.5)
+        y = (torch.sin(x) * s).sum()
+        print(f"y {y.item():.4f}")
+        _LOG.info("y %.4f", y.item())
+        return y
+
+    x = _x(3)
+    g = fxad.grad(f, x)
+    gg = fxad.grad(lambda x: g(x)[1][0].sum(), x)
+    assert not any(n.target is fxad.guards.expect for n in gg.graph.nodes)
+    assert "fxad_python_draw(" in gg.code and "fxad_log(" in gg.code
+    capsys.readouterr()
+    caplog.clear()
+    for seed in range(3):
+        xs = _x(3, seed=4 + seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        got = gg(xs)[1][0]
+        printed, logged = capsys.readouterr().out, _messages(caplog)
+        random.seed(seed)
+        np.random.seed(seed)
+        xe = xs.clone().requires_grad_()
+        (d,) = torch.autograd.grad(f(xe), xe, create_graph=True)
+        (want,) = torch.autograd.grad(d.sum(), xe)
+        torch.testing.assert_close(got, want)
+        assert printed == capsys.readouterr().out and logged == _messages(caplog)

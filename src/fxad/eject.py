@@ -63,6 +63,7 @@ _PROVIDED = {"torch": "import torch", "inf": "from math import inf",
              "bool": "from builtins import bool", "complex": "from builtins import complex",
              "fxad_numpy_of": "from fxad.capture.effects import numpy_of as fxad_numpy_of",
              "fxad_log": "from fxad.capture.effects import log_at_call as fxad_log",
+             "fxad_printed": "from fxad.capture.printed import printed as fxad_printed",
              "fxad_python_draw":
                  "from fxad.capture.effects import python_draw as fxad_python_draw",
              "fxad_numpy_draw": "from fxad.capture.effects import numpy_draw as fxad_numpy_draw",

@@ -16,7 +16,7 @@ step), so they run on every call, ordered with the random ops around them:
   ``"{:.3f}".format(t)``) is a marker while tracing (:func:`formatted`), and a ``print`` of it
   prints ``'...{:.3f}'.format(t)`` of the call's values.  A number read from a tensor only to
   be printed, in the print's own line (``print(f"{loss.item():.3f}")``, ``print(float(t))``),
-  is read at call time too (``float_1 = float(loss)``), with no value guard
+  is read at call time too (``printed_1 = fxad_printed(loss, 'float')``), with no value guard
   (:func:`fxad.capture.printed.printed_number`: the line's syntax tree says where the
   number goes);
 * a logging call of the program (``log.info("loss %.3f", loss.item())``, an f-string message,
@@ -324,7 +324,10 @@ def _logged(orig: Any) -> Any:
              extra: Any = None, stack_info: bool = False, stacklevel: int = 1) -> None:
         cap = current()
         frame = sys._getframe(1)
-        while frame is not None and os.path.abspath(frame.f_code.co_filename) == _LOGGING_FILE:
+        # the program's frame: past logging's own, and past log_at_call when fxad traces
+        # code it generated (grad of grad)
+        while frame is not None and (frame.f_code is log_at_call.__code__ or os.path.abspath(
+                frame.f_code.co_filename) == _LOGGING_FILE):
             frame = frame.f_back
         caller = os.path.abspath(frame.f_code.co_filename) if frame is not None else _FXAD_DIR
         if cap is None or cap.suspended or caller.startswith((_TORCH_DIR, _FXAD_DIR)):
@@ -609,12 +612,18 @@ def python_draw(name: str, *args: Any) -> torch.Tensor:
     the same call on Python's generator, at the program's place, as a 0-d float64 tensor
     (exact: a Python float is an IEEE double), so Python's state advances as in eager code
     and the program's decisions on it (``if random() < p:``) are taken on every call."""
+    cap = _effect_site(f"random.{name}")  # code that fxad traces again (grad of grad)
+    if cap is not None:
+        return _draw_node(cap, python_draw, (name, *args))
     return torch.tensor(getattr(py_random, name)(*args), dtype=torch.float64)
 
 
 def numpy_draw(name: str, *args: Any) -> torch.Tensor:
     """As :func:`python_draw`, for a draw of NumPy's global generator that returns one float
     (``np.random.rand()``, ``np.random.uniform(a, b)``, ``np.random.normal()``)."""
+    cap = _effect_site(f"numpy.random.{name}")
+    if cap is not None:
+        return _draw_node(cap, numpy_draw, (name, *args))
     return torch.tensor(float(getattr(np_random, name)(*args)), dtype=torch.float64)
 
 

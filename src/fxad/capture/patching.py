@@ -7,6 +7,7 @@ import inspect
 from typing import Any, Iterable
 
 import torch
+import torch.fx as fx
 
 
 def namespace_patches(spaces: Iterable[Any], replaced: dict[int, Any]
@@ -54,10 +55,21 @@ class _DictSlot:
 
 def user_globals(f: Any) -> list[dict]:
     """The module globals of the traced code: the function's, or every submodule's
-    ``forward``'s (where names imported from torch may need patching during capture)."""
+    ``forward``'s (where names imported from torch may need patching during capture), and
+    for a function, those of the modules its closure holds and of the generated modules its
+    globals hold (code fxad generated calls ``print`` from its own globals: the gradient of a
+    gradient)."""
     out: list[Any] = []
+    held: list[Any] = []
+    if not isinstance(f, torch.nn.Module):
+        fn = inspect.unwrap(f)
+        held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+        held += [v for v in (getattr(fn, "__globals__", None) or {}).values()
+                 if isinstance(v, fx.GraphModule)]
     fns = [f] if not isinstance(f, torch.nn.Module) else \
         [type(m).forward for m in f.modules()]
+    fns += [type(m).forward for v in held if isinstance(v, torch.nn.Module)
+            for m in v.modules()]
     for fn in fns:
         fn = inspect.unwrap(fn)
         glob = getattr(fn, "__globals__", None)
@@ -65,3 +77,11 @@ def user_globals(f: Any) -> list[dict]:
             out.append(glob)
             out.extend(getattr(fn, "__closure__", None) or ())
     return out
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True

@@ -4,8 +4,8 @@
 program decides on is specialized and guarded (:mod:`fxad.capture.decisions`); a value that
 only goes into a ``print`` needs neither: the generated code reads it when it prints::
 
-    float_1 = float(sum_1)
-    format_1 = 'loss {:.3f}'.format(float_1)
+    printed_1 = fxad_printed(sum_1, 'float')
+    format_1 = 'loss {:.3f}'.format(printed_1)
     print(format_1)
 
 Which it is, the program's own line says: the syntax tree of the call the program is making
@@ -36,6 +36,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..naming import code_builtin
+from .state import current
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -52,7 +55,7 @@ def marker(cap: Any, value: Any, method: str, spec: str = "") -> str:
 class PrintedNumber:
     """What ``t.item()`` returns while tracing when the program reads the number only to
     print it (:func:`printed_number`): no value and no guard, but the graph node that reads
-    it at call time (``float(loss)``).  Formatting it gives a marker (as a formatted tensor
+    it at call time (``fxad_printed(loss, 'float')``).  Formatting it gives a marker (as a formatted tensor
     does, :func:`fxad.capture.effects.formatted`), and ``print`` of it prints the node."""
 
     __slots__ = ("cap", "node")
@@ -228,7 +231,7 @@ def _only_printed(frame: Any, method: str) -> bool:
 def printed_number(cap: Any, method: str, args: tuple) -> Any:
     """``t.item()`` / ``float(t)`` / ``int(t)`` whose value the program's line only prints
     (``print(f"loss {loss.item():.3f}")``, ``print(float(t))``): a :class:`PrintedNumber`
-    read at call time by a line ``float(loss)`` before the ``print``, with no guard (for
+    read at call time by a line ``fxad_printed(loss, 'float')`` before the ``print``, with no guard (for
     ``float(t)`` / ``int(t)``, an argument of the print itself, a number known to the print
     by identity); None otherwise (the value is then a decision, guarded)."""
     if method not in _READS or len(args) != 1 or not isinstance(args[0], torch.Tensor) \
@@ -240,10 +243,7 @@ def printed_number(cap: Any, method: str, args: tuple) -> Any:
     t = args[0]
     read = _READS[method] or (bool if t.dtype == torch.bool else complex if t.is_complex()
                               else float if t.is_floating_point() else int)
-    node = cap.graph.create_node("call_function", read, (cap.arg(t, "print"),), {})
-    # a placeholder of the number's type: the value is read at call time only
-    node.meta.update(val=read(0), fxad_no_grad=True, fxad_side_effect=True)
-    cap.stamp(node)
+    node = _read_node(cap, t, read)
     if method == "item":
         return PrintedNumber(cap, node)
     # a fresh object print will recognize by identity (a NaN, or an int beyond the cached ones)
@@ -251,3 +251,30 @@ def printed_number(cap: Any, method: str, args: tuple) -> Any:
     number = float("nan") if read is float else (1 << 62) + len(table)
     table[id(number)] = (number, node)
     return number
+
+
+def _read_node(cap: Any, t: torch.Tensor, read: type) -> fx.Node:
+    """The line ``printed_1 = fxad_printed(t, 'float')`` reading the number at call time."""
+    node = cap.graph.create_node("call_function", printed, (cap.arg(t, "print"), read.__name__),
+                                 {})
+    # a placeholder of the number's type: the value is read at call time only
+    node.meta.update(val=read(0), fxad_no_grad=True, fxad_side_effect=True)
+    cap.stamp(node)
+    return node
+
+
+_KINDS = {"float": float, "int": int, "bool": bool, "complex": complex}
+
+
+def printed(t: torch.Tensor, kind: str) -> Any:
+    """What the generated code runs for a number read from a tensor only to be printed or
+    logged: ``float(t)`` (``kind`` ``'float'``; ``'int'``, ``'bool'``, ``'complex'``) at call
+    time.  While fxad traces code it generated (the gradient of a gradient), the same read
+    again (:class:`PrintedNumber`): no value, no guard."""
+    cap = current()
+    if cap is not None and not cap.suspended and cap.lift is None and id(t) in cap.env:
+        return PrintedNumber(cap, _read_node(cap, t, _KINDS[kind]))
+    return _KINDS[kind](t)
+
+
+code_builtin("fxad_printed", printed)
