@@ -276,8 +276,310 @@ def test_opting_in_reads_every_integer_size_on_every_call():
     assert len(guarded.builds) > 1
 
 
-def test_hvp_of_code_that_reads_sizes_is_refused_naming_the_line():
+def _check_hvp(f, x, seeds=range(4)):
+    """fxad.hvp of ``f`` (one build) against torch.func's forward-over-reverse, under each
+    seed."""
+    v = torch.randn_like(x)
+    h = fxad.hvp(f, x)
+    for seed in seeds:
+        torch.manual_seed(seed)
+        (grad,), (hv,) = h(x, v)
+
+        def g(x):
+            torch.manual_seed(seed)
+            return torch.func.grad(f)(x)
+
+        ref_grad, ref_hv = torch.func.jvp(g, (x,), (v,))
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(hv, ref_hv, rtol=1e-12, atol=1e-12)
+    return h
+
+
+def test_hvp_of_code_that_reads_sizes_matches_torch_func():
     m = _model()
+    h = _check_hvp(lambda x: m(x).pow(2).sum(), torch.randn(8, 4, dtype=D))
+    assert "fxad_expect_size('=='" in h.code
+
+
+# -- output sizes that depend on data: nonzero, x[mask], masked_select, unique ---------------
+
+def select_rows(x: torch.Tensor) -> torch.Tensor:
+    keep = F.dropout(torch.ones(x.shape[0], dtype=x.dtype), 0.5, training=True) > 0
+    return (x[keep] ** 2).sum()
+
+
+def select_entries(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_select(torch.rand(x.shape) > 0.5).sin().sum()
+
+
+def nonzero_rows(x: torch.Tensor) -> torch.Tensor:
+    idx = torch.nonzero(torch.rand(x.shape[0]) > 0.5)[:, 0]
+    return (x[idx] ** 3).sum() + x[idx].mean()
+
+
+def write_selected(x: torch.Tensor) -> torch.Tensor:
+    m = torch.bernoulli(torch.full(x.shape, 0.5)).bool()
+    y = x.clone()
+    y[m] = x[m] * 2
+    return (y ** 2).sum()
+
+
+def unique_rows(x: torch.Tensor) -> torch.Tensor:
+    k = torch.unique((torch.rand(6) * x.shape[0]).long())
+    return (x[k] ** 2).sum()
+
+
+def _count(f, x, seed):
+    """The number of entries selected by ``f``'s draw under ``seed``."""
+    torch.manual_seed(seed)
+    if f is select_rows:
+        return int((F.dropout(torch.ones(x.shape[0], dtype=x.dtype), 0.5, training=True) > 0).sum())
+    if f is select_entries:
+        return int((torch.rand(x.shape) > 0.5).sum())
+    if f is nonzero_rows:
+        return int((torch.rand(x.shape[0]) > 0.5).sum())
+    if f is write_selected:
+        return int(torch.bernoulli(torch.full(x.shape, 0.5)).sum())
+    return len(torch.unique((torch.rand(6) * x.shape[0]).long()))
+
+
+@pytest.mark.parametrize("f", [select_rows, select_entries, nonzero_rows, write_selected,
+                               unique_rows])
+def test_a_random_selection_matches_autograd_on_every_draw(f):
+    x = torch.randn(6, 3, dtype=D)
+    g = fxad.grad(f, x)  # one build
+    assert re.search(r"= \w+\.size\(0\)", g.code), g.code  # the count, read on every call
+    counts = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = f(xr)  # (the mean of an empty selection is nan, in both)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12,
+                                   equal_nan=True)
+        counts.add(_count(f, x, seed))
+    assert len(counts) > 1, counts  # the selection's size did change from call to call
+
+
+@pytest.mark.parametrize("f", [select_rows, select_entries, write_selected])
+def test_jvp_of_a_random_selection_matches_torch_func(f):
+    x = torch.randn(6, 3, dtype=D)
+    t = torch.randn(6, 3, dtype=D)
+    jvp = fxad.jvp(f, x)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        out, tangent = jvp(x, t)
+        torch.manual_seed(seed)
+        ref, ref_tangent = torch.func.jvp(f, (x,), (t,))
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(tangent, ref_tangent, rtol=1e-12, atol=1e-12)
+
+
+def test_the_backward_checks_its_own_count_naming_the_line():
+    # x[mask]'s backward selects with the mask again: its count is checked equal to the
+    # forward's, in a guard line naming the user's line
+    g = fxad.grad(select_rows, torch.randn(6, 3, dtype=D))
+    line = next(s for s in g.code.splitlines() if "fxad_expect_size('=='" in s)
+    assert "return (x[keep] ** 2).sum()` (its derivative code)" in line, line
+
+
+def positive_part(x: torch.Tensor) -> torch.Tensor:
+    y = x[x > 0]
+    return (y * y.sin()).sum() + torch.nonzero(x).shape[0]
+
+
+def test_opting_in_reads_a_selection_of_the_inputs_on_every_call():
+    g = fxad.grad(positive_part, torch.randn(6, dtype=D), values="guard+unbacked")
+    assert "count_nonzero" not in g.code and "nonzero_static" not in g.code
+    counts = set()
+    for seed in range(5):
+        x = torch.randn(6, dtype=D, generator=torch.Generator().manual_seed(seed))
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        ref = positive_part(xr)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        counts.add(int((x > 0).sum()))
+    assert len(counts) > 1
+
+
+def two_selections(x: torch.Tensor) -> torch.Tensor:
+    a = x[torch.rand(x.shape[0]) > 0.5]
+    b = x[torch.rand(x.shape[0]) > 0.5]
+    return (a * b).sum()
+
+
+def test_two_selections_assumed_equal_raise_naming_the_line():
+    x = torch.randn(6, dtype=D)
+    g = fxad.grad(two_selections, x)
+    hit = passed = 0
+    for seed in range(12):
+        torch.manual_seed(seed)
+        same = int((torch.rand(6) > 0.5).sum()) == int((torch.rand(6) > 0.5).sum())
+        torch.manual_seed(seed)
+        if same:
+            value, (dx,) = g(x)
+            xr = x.clone().requires_grad_()
+            torch.manual_seed(seed)
+            ref = two_selections(xr)
+            torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0])
+            passed += 1
+            continue
+        with pytest.raises(fxad.InputError) as e:
+            g(x)
+        assert "`return (a * b).sum()`" in str(e.value), str(e.value)
+        hit += 1
+    assert hit and passed
+
+
+def decides_on_a_selection(x: torch.Tensor) -> torch.Tensor:
+    y = x[torch.rand(x.shape) > 0.5]
+    if y.shape[0] > 2:
+        return y.sum()
+    return x.sum()
+
+
+def test_a_decision_on_a_selections_size_is_refused_naming_the_line():
     with pytest.raises(fxad.DataDependentError) as e:
-        fxad.hvp(lambda x: m(x).pow(2).sum(), torch.randn(8, 4, dtype=D))
-    assert "expert_size = counts.tolist()" in str(e.value), str(e.value)
+        fxad.grad(decides_on_a_selection, torch.randn(5, dtype=D))
+    assert "if y.shape[0] > 2:" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("f", [select_rows, select_entries, write_selected])
+def test_hvp_of_a_random_selection_matches_torch_func(f):
+    h = _check_hvp(lambda x: f(x) * f(x).detach() + f(x) ** 2, torch.randn(6, 3, dtype=D))
+    assert re.search(r"= \w+\.size\(0\)", h.code), h.code
+
+
+def test_a_selection_with_symbolic_input_sizes():
+    g = fxad.grad(select_entries, torch.randn(4, 3, dtype=D), dynamic=True)
+    for n in (4, 7):
+        x = torch.randn(n, 3, dtype=D)
+        torch.manual_seed(n)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(n)
+        ref = select_entries(xr)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+
+
+class Selected(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        keep = torch.rand(h.shape) > 0.3
+        return h.masked_select(keep).tanh().sum() + h[keep[:, 0]].pow(2).mean()
+
+
+def test_compile_trains_a_random_selection_like_eager():
+    torch.manual_seed(0)
+    m = Selected().to(D)
+    ref = Selected().to(D)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(8, 4, dtype=D)
+    compiled = fxad.compile(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = compiled(x)
+        loss.backward()
+        torch.manual_seed(step)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert len(compiled.builds) == 1
+
+
+class PositivePart(nn.Module):
+    """A selection by a mask of the parameters' output: its count changes as they train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h[h > 0].pow(2).sum() + torch.nonzero(h < 0).shape[0] * h.mean()
+
+
+def test_opting_in_trains_a_selection_with_one_build():
+    torch.manual_seed(0)
+    m = PositivePart().to(D)
+    ref = PositivePart().to(D)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(8, 4, dtype=D)
+    compiled = fxad.compile(m, values="guard+unbacked")
+    opt = torch.optim.SGD(m.parameters(), lr=0.3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    counts = set()
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            counts.add(int((ref.lin(x) > 0).sum()))
+        loss = compiled(x)
+        loss.backward()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert len(counts) > 1, counts  # the selection's size changed while training
+    assert len(compiled.builds) == 1
+
+
+def where_pairs(x: torch.Tensor) -> torch.Tensor:
+    r, c = (torch.rand(x.shape) > 0.5).nonzero(as_tuple=True)
+    i = torch.argwhere(torch.rand(x.shape) > 0.5)
+    return x[r, c].exp().sum() + (x[i[:, 0], i[:, 1]] * 3).pow(2).sum()
+
+
+def mixed_indexing(x: torch.Tensor) -> torch.Tensor:
+    m = torch.rand(x.shape[0]) > 0.5
+    y = x.clone()
+    y[m, 0] = x[m, 1] * 2
+    return (y ** 2).sum() + x[:, torch.rand(x.shape[1]) > 0.5].sin().sum()
+
+
+@pytest.mark.parametrize("f", [where_pairs, mixed_indexing])
+def test_other_index_forms_of_a_random_selection_match_autograd(f):
+    x = torch.randn(5, 4, dtype=D)
+    g = fxad.grad(f, x)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        value, (dx,) = g(x)
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        ref = f(xr)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_int_of_a_drawn_count_is_refused_naming_the_line():
+    # Python's int() must return a plain int: a size that changes from call to call cannot
+    # come out of it (the .item() spelling is read on every call)
+    def f(x):
+        y = torch.nn.functional.dropout(x, 0.5)
+        n = int((y != 0).sum())
+        return y[:n].sum()
+
+    with pytest.raises(fxad.errors.DataDependentError,
+                       match=r"`int\(t\)` of an integer read from tensor data(.|\n)*"
+                             r"test_unbacked_sizes.py:\d+ in f: n = int(.|\n)*t.item\(\)"):
+        fxad.grad(f, torch.randn(6, dtype=torch.float64))

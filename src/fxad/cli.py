@@ -451,7 +451,8 @@ def _target_arguments(c: argparse.ArgumentParser, *, optional: bool = False) -> 
                    help="Python decisions on tensor values (if, assert, .item()): taken on "
                         "the inputs' values and checked on every call ('guard', default), "
                         "data-dependent sizes too ('guard+sizes'), integers read from data "
-                        "as sizes read again on every call ('guard+unbacked'), or refused "
+                        "and the sizes of selections (x[mask], nonzero, masked_select, "
+                        "unique) read again on every call ('guard+unbacked'), or refused "
                         "('refuse')")
 
 

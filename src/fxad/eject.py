@@ -69,6 +69,7 @@ _PROVIDED = {"torch": "import torch", "inf": "from math import inf",
              "fxad_numpy_draw": "from fxad.capture.effects import numpy_draw as fxad_numpy_draw",
              # guards of decisions on tensor values (fxad.capture.decisions)
              "fxad_expect": "from fxad.guards import expect as fxad_expect",
+             "fxad_expect_size": "from fxad.guards import expect_size as fxad_expect_size",
              # layout guards of strided ops (fxad.rules._base)
              "fxad_expect_layout":
                  "from fxad.rules._base import expect_layout as fxad_expect_layout"}

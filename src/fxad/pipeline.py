@@ -51,10 +51,11 @@ from .ad.transform import (Derivative, captured, finish_jvp, finish_vjp, guard_v
 from .capture import decisions
 from .capture.tracer import KeywordCall, argument_names
 from .errors import InputError
+from .graph.sizes import read_result_sizes
 from .guards import install_mode_check
 from .rules.fallback import warn_fallbacks
 from .rules.fused import fused_kernels
-from .symbolic import build_with_sizes, no_read_sizes, symbolic_build, wants_symbolic
+from .symbolic import build_with_sizes, reads_sizes, symbolic_build, wants_symbolic
 
 __all__ = ["argnum_positions", "keyword_call", "keyword_argnums", "example_keywords",
            "value_policy", "build_vjp", "static_vjp", "build_jvp", "static_jvp", "build_hvp",
@@ -257,6 +258,7 @@ def static_vjp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type],
     inputs come last and get no gradient."""
     api = "fxad.grad" if seed_ones else "fxad.vjp"
     gm = captured(f, example_inputs, leaf_modules)
+    read_result_sizes(gm.graph)  # sizes of results that depend on data: read on every call
     n_out = split_aux(gm, api) if has_aux else 0
     user_f = f.f if isinstance(f, KeywordCall) else f
     n_pos = len(example_inputs) - (len(f.keywords) if isinstance(f, KeywordCall) else 0)
@@ -387,6 +389,7 @@ def static_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
     """One forward-mode build at the shapes of ``example_inputs``; ``select`` keeps part of
     the outputs (:func:`build_hvp`: the gradients)."""
     gm = captured(f, example_inputs, leaf_modules)
+    read_result_sizes(gm.graph)  # sizes of results that depend on data: read on every call
     if select is not None:
         keep_outputs(gm, select)
     user_f = f.f if isinstance(f, KeywordCall) else f
@@ -422,7 +425,7 @@ def build_hvp(f: Callable, example_inputs: tuple, *, argnums: Any,
                       simplify=simplify, seed_ones=True, dynamic=dynamic,
                       dynamic_shapes=_padded_shapes(dynamic_shapes, n_pos, len(inputs)),
                       values=values)
-    no_read_sizes(g, "fxad.hvp")
+    reads = reads_sizes(g)
 
     def jvp_of_grad(xs: tuple) -> JVPModule:
         return static_jvp(g, xs, leaf_modules=leaf_modules, simplify=simplify,
@@ -434,6 +437,9 @@ def build_hvp(f: Callable, example_inputs: tuple, *, argnums: Any,
             out = symbolic_build(jvp_of_grad, argument_names(callee, len(inputs)), inputs,
                                  dynamic=dynamic, dynamic_shapes=_padded_shapes(
                                      dynamic_shapes, n_pos, len(inputs)))
+        elif reads:  # the gradient code reads sizes from data: its JVP is built on a ShapeEnv
+            out = symbolic_build(jvp_of_grad, argument_names(callee, len(inputs)), inputs,
+                                 dynamic=False, dynamic_shapes=None)
         else:
             out = jvp_of_grad(inputs)
     out.meta["fxad_grad_module"] = g

@@ -22,7 +22,8 @@ machinery behind ``make_fx(tracing_mode="symbolic")`` and :func:`torch.export.ex
    (:func:`fxad.graph.sizes.bind_sizes`: ``T = idx.size(1)``, ``B_T = B * T``).
 3. **Guards.**  Every guard the ShapeEnv recorded, every tie and every declared range is
    checked on each call, with the user's line that imposed it
-   (:class:`fxad.guards.InputSpec`).  A dimension the program fixes (a Python loop over it,
+   (:class:`fxad.guards.InputSpec`); an assumption about sizes read from tensor data
+   (unbacked) is a guard line of the code, at its place (``fxad_expect_size``).  A dimension the program fixes (a Python loop over it,
    a match against a parameter's size) becomes static: silently for ``dynamic=True`` (like
    ``Dim.AUTO``), an :class:`~fxad.InputError` for a dimension declared with ``Dim``.
 
@@ -59,12 +60,13 @@ from .capture.state import capturing, symbolic_shapes
 from .capture.state import current as current_capture
 from .errors import CaptureError, DataDependentError, InputError, SourceLoc
 from .graph.proxy import user_source_loc
-from .graph.sizes import expr_of, is_symbolic, python_source, size_names
+from .graph.sizes import (bind_sizes, expr_of, is_symbolic, python_source, read_result_sizes,
+                          size_names)
 from .graph.symcache import memoized
-from .guards import InputSpec
+from .guards import InputSpec, expect_size
 
 __all__ = ["ShapePlan", "plan_shapes", "wants_symbolic", "symbolic_build", "build_with_sizes",
-           "no_read_sizes"]
+           "reads_sizes"]
 
 _DimType = type(Dim("_probe"))
 _Hint = type(Dim.AUTO)
@@ -547,22 +549,10 @@ def _decisions_on_read_sizes() -> Iterator[None]:
                  "tensor (torch.where)") from None
 
 
-def no_read_sizes(gm: fx.GraphModule, api: str) -> None:
-    """Refuse to differentiate ``gm`` again (``fxad.hvp``: the JVP of gradient code) when it
-    reads sizes from tensor data on every call (nodes marked ``fxad_unbacked``).
-
-    Raises:
-        DataDependentError: naming the user's line that reads them.
-    """
-    for n in gm.graph.nodes:
-        if n.meta.get("fxad_unbacked"):
-            raise DataDependentError(
-                f"{api} differentiates the gradient code again, which fxad cannot do where "
-                "the code reads sizes from tensor data on every call (sizes computed from a "
-                "random draw, or values='guard+unbacked')", op="size read from tensor data",
-                loc=n.meta.get("fxad_loc"),
-                hint="take the Hessian-vector product with torch.func over the eager program, "
-                     "or keep these sizes fixed")
+def reads_sizes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` reads sizes from tensor data on every call (nodes marked
+    ``fxad_unbacked``)."""
+    return any(n.meta.get("fxad_unbacked") for n in gm.graph.nodes)
 
 
 def build_with_sizes(build: Any, names: list[str], examples: tuple) -> fx.GraphModule:
@@ -579,23 +569,96 @@ def build_with_sizes(build: Any, names: list[str], examples: tuple) -> fx.GraphM
 def _no_unbacked(gm: fx.GraphModule) -> None:
     """Refuse a build with a size PyTorch could not express in the input sizes (an unbacked
     symbol, from a decision it left open), other than the sizes the program read from
-    tensor data (nodes marked ``fxad_unbacked``), which the code reads on every call."""
+    tensor data (nodes marked ``fxad_unbacked``) and those of results computed from data
+    (``nonzero``, ``x[mask]``), which the code reads on every call.  What the derivative
+    code assumed of such sizes (``fxad_late_asserts``: the backward of ``x[mask]`` selects
+    with the mask again, and assumes both counts equal) becomes guard lines
+    (:func:`_late_guards`)."""
+    env = next((u.node.shape_env for u in _unbacked_of(gm)), None)
+    late = getattr(env, "fxad_late_asserts", []) if env is not None else []
+    if late:
+        _late_guards(gm, late)
+        env.fxad_late_asserts = []
     read: set = set()
     for n in gm.graph.nodes:
         if n.meta.get("fxad_unbacked"):
             v = n.meta["val"]
             read.update(expr_of(u) for u in (v if isinstance(v, list) else [v]))
-    env = next((u.node.shape_env for u in _unbacked_of(gm)), None)
-    late = getattr(env, "fxad_late_asserts", []) if env is not None else []
-    if late:
-        raise CaptureError(
-            f"the derivative code assumes {late[0]} of sizes read from tensor data, which "
-            "fxad cannot check on a call; build this program without those sizes")
     bad = [desc for desc, syms in _bad_symbols(gm) if not syms <= read]
     if bad:
         raise CaptureError(
             f"a size of the derivative code could not be written in the input sizes "
             f"({bad[0]}); build this program with static shapes (without dynamic=)")
+
+
+def _late_guards(gm: fx.GraphModule, late: list[Any]) -> None:
+    """A guard line (:func:`fxad.guards.expect_size`) for each relation in ``late`` (sympy,
+    of unbacked sizes) that the derivative code assumed after capture, right after the last
+    node its sizes are read from, naming the user's line the backward is of; one about a
+    size no node has any more is dropped with the code it was made for.
+
+    Raises:
+        CaptureError: a relation fxad cannot write as a check on a call.
+    """
+    graph = gm.graph
+    # an assumption about a size no code computes any more (the tangent of a value the code
+    # does not use, removed as dead code) has nothing to check
+    present = set().union(*(_shape_symbols(n) for n in graph.nodes),
+                          *(u.node.expr.free_symbols for u in _unbacked_of(gm)))
+    late = [e for e in late if e.free_symbols <= present]
+    if not late:
+        return
+    syms = set().union(*(e.free_symbols for e in late))
+    read_result_sizes(graph, only=syms)
+    source: dict[Any, fx.Node] = {}
+    names: dict[Any, str] = {}
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.meta.get("fxad_unbacked") and isinstance(v, torch.SymInt):
+            source.setdefault(v.node.expr, n)
+            names.setdefault(v.node.expr, n.name)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    rels = {"Equality": "==", "Unequality": "!=", "LessThan": "<=", "StrictLessThan": "<",
+            "GreaterThan": ">=", "StrictGreaterThan": ">"}
+    for e in late:
+        rel = rels.get(type(e).__name__)
+        logical = isinstance(e, (sympy.And, sympy.Or, sympy.Not))  # a broadcast: a == b or b == 1
+        if rel is None and not logical or not e.free_symbols <= source.keys():
+            raise CaptureError(f"the derivative code assumes {e} of sizes read from tensor "
+                               "data, which fxad cannot check on a call; build this program "
+                               "without those sizes")
+        after = max((source[x] for x in e.free_symbols), key=order.__getitem__)
+        env = next(iter(source.values())).meta["val"].node.shape_env
+        # the size made last: by the derivative code, whose line the guard names
+        newest = max(e.free_symbols, key=lambda x: int(str(x)[1:]) if str(x)[1:].isdigit()
+                     else -1)
+        src = ("fxad_bwd_src", "fxad_jvp_src")  # (reverse mode, forward mode)
+        first = next((m for m in graph.nodes if newest in _shape_symbols(m)
+                      and any(m.meta.get(k) is not None for k in src)), None)
+        loc = next(first.meta[k] for k in src if first.meta.get(k) is not None) \
+            if first is not None else None
+        where = (f"{loc.short()} `{loc.code}` (its derivative code)"
+                 if isinstance(loc, SourceLoc) else "the derivative code")
+
+        def side(x: Any) -> Any:
+            return int(x) if not x.free_symbols else env.create_symintnode(x, hint=None)
+
+        sides = ("==", env.create_symboolnode(e), True) if logical else \
+            (rel, side(e.lhs), side(e.rhs))
+        with graph.inserting_after(after):
+            node = graph.create_node("call_function", expect_size,
+                                     sides + (python_source(e, names), where), {},
+                                     name="size_guard")
+        node.meta.update(val=None, fxad_side_effect=True, fxad_guard=where)
+    bind_sizes(graph)
+    gm.recompile()
+
+
+def _shape_symbols(n: fx.Node) -> set:
+    """The symbols (as the ShapeEnv holds them) in the sizes of ``n``'s tensor value."""
+    v = n.meta.get("val")
+    return {x for s in (v.shape if isinstance(v, torch.Tensor) else ())
+            if isinstance(s, torch.SymInt) for x in s.node.expr.free_symbols}
 
 
 def _unbacked_of(gm: fx.GraphModule) -> list[Any]:

@@ -22,36 +22,36 @@ Data-dependent output *sizes* (``nonzero``, ``argwhere``, ``torch.where(cond)``,
 way, only when the user opts in: the op is recorded in a form of static size
 (``torch.nonzero_static(mask, size=k)``, ``output_size=``) after a guard on the count
 (``'count_nonzero'``, ``'sum_int'``), and a size given as a one-element integer tensor
-(``torch.arange(n)``) becomes its guarded value; ``unique`` and other ops without such a
-form stay refused.  The switch is the ``values=`` keyword of the public entry points,
-entered here with :func:`value_policy`:
+(``torch.arange(n)``) becomes its guarded value.  A selection by a mask computed from a
+random draw, or any selection (``unique`` too) under ``"guard+unbacked"``, has a size of
+its own instead: the build is made again on a ShapeEnv, where PyTorch gives the result an
+unbacked size, which the code reads from the result on every call
+(:func:`fxad.graph.sizes.read_result_sizes`).  The switch is the ``values=`` keyword of the
+public entry points, entered here with :func:`value_policy`:
 
 * ``"guard"`` (default): decisions specialized and guarded, data-dependent sizes refused;
 * ``"guard+sizes"``: data-dependent sizes specialized and guarded too;
-* ``"guard+unbacked"``: decisions specialized and guarded, and every integer read with
-  ``.tolist()``, ``.item()`` or ``int()`` an unbacked size read on every call, as those
-  computed from a random draw always are (:func:`drawn_sizes`): a routing whose counts follow
-  the parameters serves every training step with one build;
+* ``"guard+unbacked"``: decisions specialized and guarded; every integer read with
+  ``.tolist()`` or ``.item()`` and every selection's size read on every call, as those
+  computed from a random draw always are (:func:`drawn_sizes`; ``int(t)`` is refused there,
+  as Python's ``int`` must return a plain int): a routing whose counts follow the parameters
+  serves every training step with one build;
 * ``"refuse"``: every question about tensor data raises
   :class:`~fxad.errors.DataDependentError` naming the line.
 
 A value computed from a random draw (dropout, ``torch.rand``) changes from call to call by
 design and is never specialized: the question goes to
 :func:`fxad.capture.autograph.random_decision` (a ``torch.cond`` rewrite, or a refusal).
-Integers read from such a value (``.tolist()``, ``.item()``, ``int()`` of an integer tensor:
-the experts' token counts of a mixture of experts after dropout) are sizes drawn anew on every
-call: :func:`drawn_sizes` gives the program unbacked ``SymInt`` values, the generated code reads
-them on every call, and each assumption the ShapeEnv makes about them becomes a guard line
-(:func:`size_assumption`); a static build meeting them is made again on a ShapeEnv
-(:func:`fxad.symbolic.build_with_sizes`).
-Questions about a tensor's memory *layout* read as Python values (``x.is_contiguous()``,
-``x.stride()``, ``x.storage_offset()``, ``x.is_contiguous(memory_format=...)``) are decisions
-too: their answers follow the layout of the inputs the tensor is computed from, so
-:func:`read_layout` answers as eager PyTorch does on the example and guards each such input's
-layout once, where the program first read one (``fxad_expect('layout', (x,), 'contiguous',
-where)``); a program that reads no layout gets no such line.
-Values asked inside a ``torch.cond`` / ``while_loop`` body or a custom ``autograd.Function``
-(captured in a nested session without example data) are refused naming the line.
+Integers read from such a value (``.tolist()``, ``.item()`` of an integer tensor: the experts'
+token counts of a mixture of experts after dropout) are sizes drawn anew on every call:
+:func:`drawn_sizes` gives the program unbacked ``SymInt`` values read by the code on every call,
+each assumption the ShapeEnv makes about them a guard line (:func:`size_assumption`); a static
+build meeting them is made again on a ShapeEnv (:func:`fxad.symbolic.build_with_sizes`).
+A tensor's memory *layout* read as Python values (``x.is_contiguous()``, ``x.stride()``,
+``x.storage_offset()``) follows the layout of the inputs it is computed from: :func:`read_layout`
+answers as eager PyTorch on the example and guards each such input's layout once
+(``fxad_expect('layout', (x,), 'contiguous', where)``).  Values asked inside a ``torch.cond``
+/ ``while_loop`` body or a custom ``autograd.Function`` are refused naming the line.
 
 Functions of the capture session (:class:`fxad.capture.session.Session`), passed as ``cap``.
 """
@@ -380,17 +380,7 @@ def _drawn_count(cap: Any, args: tuple, kwargs: dict, any_integer: bool = False)
         return False
     if any_integer:  # (a value computed from Python numbers alone stays a number)
         return not (id(t) in cap.known and cap.known_src.get(id(t)) == frozenset())
-    seen: set[fx.Node] = set()
-    stack = [cap.node_of(t)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if draws_random(n):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
+    return _from_random(cap, t)
 
 
 def _target_name(loc: SourceLoc | None, default: str) -> str:
@@ -400,27 +390,30 @@ def _target_name(loc: SourceLoc | None, default: str) -> str:
 
 
 def drawn_sizes(cap: Any, question: str, t: torch.Tensor, loc: SourceLoc | None) -> Any:
-    """``t.tolist()`` (``t.item()``, ``int(t)``) of an integer tensor computed from a random
-    draw: a graph node that reads the values on every call (named after the user's
-    variable), and for the program one *unbacked* ``SymInt`` per element
-    (``ShapeEnv.create_unbacked_symint``, as ``torch.export`` does), assumed ``>= 0``.
-    Sizes computed from them stay expressions of these symbols; every assumption the
-    ShapeEnv records about them becomes a guard line (:func:`size_assumption`).
+    """``t.tolist()`` (``t.item()``) of an integer tensor computed from a random draw: a graph
+    node that reads the values on every call (named after the user's variable), and for the
+    program one *unbacked* ``SymInt`` per element (``ShapeEnv.create_unbacked_symint``, as
+    ``torch.export`` does), assumed ``>= 0``; every assumption the ShapeEnv records about
+    them becomes a guard line (:func:`size_assumption`).
 
     Raises:
-        UnbackedSizesNeeded: the build has no ShapeEnv (a static build), so that it is made
-            again on one.
+        DataDependentError: ``int(t)`` / ``operator.index(t)``, whose protocol must return a
+            plain int.
+        UnbackedSizesNeeded: a static build (no ShapeEnv), to be made again on one.
     """
-    mode = fake_mode()
-    env = getattr(mode, "shape_env", None)
+    env = getattr(fake_mode(), "shape_env", None)
+    if question in ("int", "index"):  # their protocol must return a plain int
+        raise DataDependentError(
+            f"`{question}(t)` of an integer read from tensor data on every call (it changes from"
+            f" call to call): Python's {question}() must return a plain int", op=question,
+            loc=loc, hint="write t.item() (or t.tolist()), which fxad reads on every call")
     if env is None:
         raise UnbackedSizesNeeded(
             "integers read from tensor data as sizes that change from call to call (computed "
             "from a random draw, or values='guard+unbacked'): fxad reads them on every call "
             "in builds of fxad.grad, vjp, jvp and compile, not in this one",
-            op="size read from tensor data", loc=loc,
-            hint="keep the sizes fixed (mask instead of selecting), or build with fxad.grad "
-                 "/ vjp / jvp / compile")
+            op="size read from tensor data", loc=loc, hint="keep the sizes fixed (mask "
+            "instead of selecting), or build with fxad.grad / vjp / jvp / compile")
     n = int(t.numel())
     name = _target_name(loc, "sizes")
     method = "tolist" if question == "tolist" else "item"
@@ -482,13 +475,17 @@ def data_dependent_size(cap: Any, func: Callable, method: str | None, args: tupl
     """
     loc = user_source_loc()
     mask_hint = "use masking (torch.where(mask, x, 0)) instead of selecting (x[mask])"
-    if current_policy() != "guard+sizes":
-        raise DataDependentError(
-            f"{what} cannot be traced on the example shapes: its output size depends on "
-            "tensor data", op=what, loc=loc,
-            hint=f"{mask_hint}; or build with values='guard+sizes' to specialize the code on "
-                 "the example's size, checked on every call") from error
     name = method or getattr(func, "__name__", "")
+    masks = _selection_masks(name, args, kwargs)
+    if masks and (current_policy() == "guard+unbacked"
+                  or any(_from_random(cap, m) for m in masks)):
+        raise UnbackedSizesNeeded(  # the build is made again on a ShapeEnv: a size of its own
+            f"{what}: an output size read on every call (computed from a random draw, or "
+            "values='guard+unbacked'), in builds of fxad.grad, vjp, jvp and compile only",
+            op=what, loc=loc, hint=f"{mask_hint}, or build with fxad.grad / vjp / jvp / "
+                                   "compile") from error
+    if current_policy() != "guard+sizes":
+        _refuse_size(what, loc, error)
     if name in ("nonzero", "argwhere") or name == "where" and len(args) == 1 and not kwargs:
         idx = _static_nonzero(cap, args[0], loc, what)
         if name == "where" or kwargs.get("as_tuple", False):
@@ -507,7 +504,10 @@ def data_dependent_size(cap: Any, func: Callable, method: str | None, args: tupl
             return cap.handle(torch.Tensor.__getitem__, (args[0], tuple(new)), {})
     if name == "masked_select" and len(args) + len(kwargs) == 2:
         x, mask = args[0], args[1] if len(args) > 1 else kwargs["mask"]
-        xb, mb = cap.handle(torch.broadcast_tensors, (x, mask), {})
+        # each broadcast on its own: the mask's count must not depend on x's values
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+        xb = x if x.shape == shape else cap.handle(torch.Tensor.expand, (x, shape), {})
+        mb = mask if mask.shape == shape else cap.handle(torch.Tensor.expand, (mask, shape), {})
         return cap.handle(torch.Tensor.__getitem__, (xb, mb), {})
     if name == "repeat_interleave" and "output_size" not in kwargs:
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
@@ -541,6 +541,42 @@ def data_dependent_size(cap: Any, func: Callable, method: str | None, args: tupl
                                "and pass it in as an input") from error
 
 
+def _refuse_size(what: str, loc: SourceLoc | None, error: Exception | None) -> None:
+    raise DataDependentError(
+        f"{what} cannot be traced on the example shapes: its output size depends on tensor "
+        "data", op=what, loc=loc,
+        hint="use masking (torch.where(mask, x, 0)) instead of selecting (x[mask]); or build "
+             "with values='guard+sizes' to specialize the code on the example's size, checked "
+             "on every call, or values='guard+unbacked' to read it on every call") from error
+
+
+def _selection_masks(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors whose values decide the output size of a selection (``nonzero``,
+    ``argwhere``, ``torch.where(cond)``, ``x[mask]``, ``masked_select``, ``unique``), or []."""
+    if name in ("nonzero", "argwhere", "unique", "unique_consecutive") \
+            or name == "where" and len(args) == 1 and not kwargs:
+        return [args[0]] if args and isinstance(args[0], torch.Tensor) else []
+    if name == "__getitem__" and len(args) == 2:
+        return [v for v in (args[1] if isinstance(args[1], tuple) else (args[1],))
+                if _is_mask(v)]
+    mask = (args[1] if len(args) > 1 else kwargs.get("mask")) if name == "masked_select" else 0
+    return [mask] if isinstance(mask, torch.Tensor) else []
+
+
+def _from_random(cap: Any, t: torch.Tensor) -> bool:
+    """Whether the recorded graph computes ``t`` from a random draw."""
+    seen: set[fx.Node] = set()
+    stack = [cap.node_of(t)] if id(t) in cap.env else []
+    while stack:
+        n = stack.pop()
+        if n not in seen and draws_random(n):
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def _outside(fn: Callable[[], Any]) -> Any:
     """``fn()`` on real tensors, outside capture's modes."""
     with _disable_current_modes(), torch._C.DisableTorchFunction():
@@ -572,7 +608,20 @@ def python_sizes(cap: Any, func: Any, method: str | None, args: tuple,
     list argument, or a size argument of :data:`_SIZE_ARGS`) replaced by its value, where
     that value comes from Python numbers alone (``torch.div(seq_len, w, rounding_mode=
     "trunc")`` of transformers' Longformer): the same on every call, so the node records
-    the number, as derivative rules of sizes need."""
+    the number, as derivative rules of sizes need.
+
+    Raises:
+        DataDependentError: on a ShapeEnv (where PyTorch gives a selection a size of its
+            own), a selection the policy does not open (as :func:`data_dependent_size`).
+    """
+    if current_policy() in ("guard", "refuse") \
+            and getattr(fake_mode(), "shape_env", None) is not None:
+        name = method or getattr(func, "__name__", "")
+        masks = _selection_masks(name, args, kwargs)
+        if masks and not any(_from_random(cap, m) for m in masks) \
+                and not all(id(m) in cap.known for m in masks):  # (known: constants)
+            _refuse_size(f"Tensor.{name}" if method else f"torch.{name}", user_source_loc(),
+                         None)
     if not cap.known:
         return args, kwargs
 

@@ -6,8 +6,9 @@ question about the *values* while computing (``torch.cov`` checks its weights wi
 ``F.gaussian_nll_loss`` checks ``var >= 0``, ``torch.narrow`` reads a tensor ``start``), although their result's shape depends on the
 input shapes alone.  For those this module gives the shape and dtype directly, as a
 documented function of the arguments; the op itself still runs on real data in the generated
-code.  Ops whose result shape truly depends on values (``masked_select``, ``nonzero``) are not
-listed: capture refuses them with a clear error.
+code.  Ops whose result shape truly depends on values (``nonzero``) are not listed: capture
+refuses them with a clear error, or (on a ShapeEnv) gives them a size of their own;
+``masked_select`` is listed only so that it takes the mask's own count, as ``x[mask]`` does.
 """
 from __future__ import annotations
 
@@ -133,7 +134,22 @@ def _control_flow() -> dict[Any, Callable[..., Any]]:
             ops.while_loop_jvp: _while_loop_jvp}
 
 
+def _masked_select(input: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """masked_select(x, mask) as ``x[mask]`` after broadcasting both: one dimension, the
+    mask's count.  Without a ShapeEnv PyTorch raises its data-dependent-size error, as for
+    masked_select itself; on one, the count is the mask's ``nonzero`` count, which PyTorch
+    memoizes on the mask, so every selection by the same mask (``x[mask]``, ``nonzero``, other
+    ``masked_select`` calls) has the same size, where masked_select's own fake kernel makes a
+    new one per call."""
+    shape = torch.broadcast_shapes(input.shape, mask.shape)
+    x = input if tuple(input.shape) == tuple(shape) else input.expand(shape)
+    m = mask if tuple(mask.shape) == tuple(shape) else mask.expand(shape)
+    return x[m].reshape(-1)
+
+
 OUTPUT_META: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.masked_select: _masked_select,
+    torch.Tensor.masked_select: _masked_select,
     torch.cov: _cov_like,
     torch.corrcoef: _cov_like,
     torch.combinations: _combinations,

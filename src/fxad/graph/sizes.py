@@ -19,9 +19,13 @@ uses, through :class:`SizeCode`: one table says how each sympy function reads as
 as graph nodes and as source text (the runtime guards of :mod:`fxad.symbolic` compile the
 text form).
 
+Sizes read from tensor data on every call (unbacked symbols ``u0``: ``.tolist()`` of drawn
+counts, the size of a ``nonzero`` or ``x[mask]`` result, :func:`read_result_sizes`) are read
+from the node that produced them instead, right before their first use.
+
 Raises:
-    CaptureError: a size expression with no source among the graph's inputs (a size that
-        came from data, e.g. ``nonzero``), or a sympy function with no Python form.
+    CaptureError: a size expression with no source among the graph's inputs or the sizes
+        read from data, or a sympy function with no Python form.
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ from ..errors import CaptureError
 
 __all__ = ["SYM_TYPES", "is_symbolic", "expr_of", "bind_sizes", "has_symbolic_args",
            "SizeCode", "python_source", "size_names", "known_equal", "known_one",
-           "has_symbolic_shape", "size_hint", "unbacked_sizes", "check_squeeze"]
+           "has_symbolic_shape", "size_hint", "unbacked_sizes", "check_squeeze",
+           "read_result_sizes"]
 
 _STATE = threading.local()
 
@@ -237,6 +242,52 @@ def unbacked_sizes(graph: fx.Graph) -> list[str]:
                 out.append(f"{n.name}: {tuple(shape)}")
                 break
     return out
+
+
+def read_result_sizes(graph: fx.Graph, only: set | None = None) -> int:
+    """Read on every call the sizes of results that depend on data (``nonzero``, ``x[mask]``,
+    ``masked_select``, ``unique`` captured on a ShapeEnv: a dimension that is an unbacked
+    symbol ``u0`` of its own): a node ``nonzero_size_0 = nonzero.size(0)`` right after the
+    first node whose value has that dimension, marked like the sizes read with ``.tolist()``
+    (``meta['fxad_unbacked']``, a side effect: passes keep it, :func:`bind_sizes` writes
+    every later use of the size as a read of it).  ``only``: these symbols alone (as the
+    ShapeEnv holds them, before replacements).  Returns how many nodes it added."""
+    read: set = set()
+    for n in graph.nodes:
+        if n.meta.get("fxad_unbacked"):
+            v = n.meta["val"]
+            read.update(expr_of(u) for u in (v if isinstance(v, list) else [v]))
+    added = 0
+    for n in list(graph.nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        at = n
+        for path, t in _leaves(n.meta.get("val")):  # (a tuple: torch.where(cond))
+            for d, s in enumerate(t.shape):
+                e = (expr_of(s) if only is None else s.node.expr) \
+                    if isinstance(s, torch.SymInt) else None
+                if not isinstance(e, sympy.Symbol) or not _unbacked(e) or e in read \
+                        or only is not None and e not in only:
+                    continue
+                read.add(e)
+                base, name, val = n, n.name, n.meta["val"]
+                for k in path:
+                    val = val[k]
+                    with graph.inserting_after(at):
+                        at = base = graph.create_node("call_function", operator.getitem,
+                                                      (base, k), {}, name=f"{name}_{k}")
+                    base.meta.update(val=val, fxad_side_effect=True, fxad_no_grad=True)
+                    name = base.name
+                with graph.inserting_after(at):
+                    at = graph.create_node("call_method", "size", (base, d), {},
+                                           name=f"{name}_size_{d}")
+                at.meta.update(val=s, fxad_unbacked=True, fxad_side_effect=True,
+                               fxad_no_grad=True)
+                for key in ("fxad_loc", "stack_trace", "nn_module_stack"):
+                    if key in n.meta:
+                        at.meta[key] = n.meta[key]
+                added += 1
+    return added
 
 
 def check_squeeze(name: str, args: tuple, kwargs: dict) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops
 from ..errors import RuleError
@@ -121,7 +122,8 @@ def _masked_value_cotangent(d: Any, index: Any, vshape: tuple) -> Any:
         return None
     k = mask.dim()
     rest = d.dim() - k
-    if len(vshape) > rest + 1 or (len(vshape) == rest + 1 and vshape[0] != 1):
+    if len(vshape) > rest + 1 or (len(vshape) == rest + 1
+                                     and not statically_known_true(vshape[0] == 1)):
         return None
     keep = torch.reshape(mask, tuple(mask.shape) + (1,) * rest)
     total = torch.sum(torch.where(keep, d, 0.0), tuple(range(k)))
@@ -624,6 +626,37 @@ def _masked_scatter_rule(method: bool) -> type:
 
 for _m, _op in ((False, torch.masked_scatter), (True, torch.Tensor.masked_scatter)):
     register_vjp(_op)(_masked_scatter_rule(_m))
+
+
+def _masked_select_rule(method: bool) -> type:
+    def call(x: Any, mask: Any) -> Any:
+        return x.masked_select(mask) if method else torch.masked_select(x, mask)
+
+    class MaskedSelect:
+        """masked_select(x, mask): the entries of x (broadcast with mask) at the True positions
+        of mask, in row-major order; its size depends on the data.  d_x = zeros of the
+        broadcast shape with d written back at those positions by ``masked_scatter`` (the
+        engine sums it to x's shape) (derivatives.yaml `masked_select`:
+        masked_select_backward).  Linear in x: the JVP is masked_select of the tangent."""
+
+        def fwd(input, mask):
+            shape = tuple(torch.broadcast_shapes(tuple(input.shape), tuple(mask.shape)))
+            return call(input, mask), (mask, shape)
+
+        def bwd(aux, d):
+            mask, shape = aux
+            zeros = torch.zeros(shape, dtype=d.dtype, device=d.device)
+            return zeros.masked_scatter(torch.broadcast_to(mask, shape), d), None
+
+        def jvp(primals, tangents):
+            (x, mask), tx = primals, tangents[0]
+            return call(x, mask), call(tx, mask)
+
+    return MaskedSelect
+
+
+for _m, _op in ((False, torch.masked_select), (True, torch.Tensor.masked_select)):
+    register_vjp(_op)(_masked_select_rule(_m))
 
 
 def _clamped(x: Any, indices: Any) -> tuple:
