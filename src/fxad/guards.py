@@ -33,6 +33,8 @@ A module captured from an ``nn.Module`` also bakes in each submodule's training 
 from __future__ import annotations
 
 import operator
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -301,6 +303,20 @@ class ModeWarning(UserWarning):
     (training) mode: flags such as dropout and batch-norm statistics were baked in."""
 
 
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
+                 os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function point at the
+    user's line: past the frames of torch (a forward pre-hook's caller) and of fxad."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            _LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def install_mode_check(gm: Any, mod: torch.nn.Module) -> None:
     """Record ``mod``'s training flags in ``gm.meta['fxad_training_flags']`` (``gm``: a
     generated GraphModule) and warn (a :class:`ModeWarning`) on every call of ``gm`` made
@@ -322,7 +338,7 @@ def install_mode_check(gm: Any, mod: torch.nn.Module) -> None:
                 f"{'.' + diff if diff else ''} in {mode} mode, but the module is now in "
                 f"{'eval' if mode == 'training' else 'training'} mode; dropout and "
                 "batch-norm behaviour are baked in at capture: capture again after "
-                "switching modes", ModeWarning, stacklevel=2)
+                "switching modes", ModeWarning, stacklevel=caller_stacklevel())
 
     gm.register_forward_pre_hook(hook)
 

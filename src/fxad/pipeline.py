@@ -52,6 +52,7 @@ from .capture import decisions
 from .capture.tracer import KeywordCall, argument_names
 from .errors import InputError
 from .graph.sizes import read_result_sizes
+from .capture.module_state import install_settings_check
 from .guards import install_mode_check
 from .rules.fallback import warn_fallbacks
 from .rules.fused import fused_kernels
@@ -275,8 +276,7 @@ def static_vjp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type],
     if not seed_ones:
         unused_cotangent(d)
     out = vjp_module(d)
-    if d.source is not None:
-        install_mode_check(out, d.source)
+    watch_modules(out, d, gm)
     out.meta["fxad_rebuild"] = lambda: build_vjp(
         f, example_inputs, leaf_modules=leaf_modules, simplify=simplify, seed_ones=seed_ones,
         argnums=argnums, has_aux=has_aux, values=values)
@@ -289,6 +289,17 @@ def static_vjp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type],
         spec.leaves.append([None])
     guard_none_inputs(spec, example_inputs)
     return out
+
+
+def watch_modules(out: fx.GraphModule, d: Derivative, gm: fx.GraphModule) -> None:
+    """Warn on calls of ``out`` made after the modules it was captured from changed their
+    training flags (:func:`fxad.guards.install_mode_check`) or Python attributes
+    (:func:`fxad.capture.module_state.install_settings_check`): the traced module, or the
+    modules a traced function calls from its closure (``gm.meta['fxad_closure_modules']``)."""
+    roots = [d.source] if d.source is not None else gm.meta.get("fxad_closure_modules", [])
+    for root in roots:
+        install_mode_check(out, root)
+    install_settings_check(out, roots)
 
 
 def unused_cotangent(d: Derivative) -> None:
@@ -396,8 +407,7 @@ def static_jvp(f: Any, example_inputs: tuple, *, leaf_modules: Iterable[type], s
     d = jvp_graph(user_f, gm, argnums=argnum_positions(argnums, len(example_inputs)))
     finish_jvp(d, simplify=simplify)
     out = jvp_module(d, example_inputs, suffix=suffix, name=name)
-    if d.source is not None:
-        install_mode_check(out, d.source)
+    watch_modules(out, d, gm)
     guard_none_inputs(out.meta["fxad_input_spec"], example_inputs)
     warn_fallbacks(d.graph, "fxad.jvp")  # once per build (fxad.FallbackWarning)
     return out

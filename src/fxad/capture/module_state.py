@@ -8,12 +8,17 @@ generated code therefore differs from eager PyTorch.
 """
 from __future__ import annotations
 
+import copy
+import enum
+import operator
 import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+
+from ..guards import ModeWarning, caller_stacklevel
 
 
 def module_state(root: torch.nn.Module) -> dict:
@@ -104,3 +109,150 @@ def _same_value(cap: Any, old: Any, new: Any) -> bool:
         node = src
     return isinstance(node, fx.Node) and node.op == "get_attr" \
         and node.target == cap.attr_paths.get(id(old))
+
+
+# Python values a module's code may decide on, compared by value on every call
+_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+          torch.layout, torch.memory_format, enum.Enum)
+_LONGEST = 64  # a longer container (a label table) is data, not a setting: not compared
+
+
+def _frozen(v: Any, depth: int = 0) -> Any:
+    """``v`` as a hashable value to compare, or ``_SKIP`` when it is not a plain setting."""
+    if isinstance(v, _ATOMS):
+        return v
+    if depth < 2 and isinstance(v, (tuple, list, set, frozenset, dict)) and len(v) <= _LONGEST:
+        items = list(v.items()) if isinstance(v, dict) else list(v)
+        out = tuple(_frozen(x, depth + 1) for x in items) if not isinstance(v, dict) else \
+            tuple((_frozen(k, depth + 1), _frozen(x, depth + 1)) for k, x in items)
+        flat = [y for x in out for y in (x if isinstance(v, dict) else (x,))]
+        if not any(y is _SKIP for y in flat):
+            return (type(v).__name__, frozenset(out) if isinstance(v, (set, frozenset)) else out)
+    return _SKIP
+
+
+_SKIP = object()
+# nn.Module's own bookkeeping (hooks, parameter tables, the training flag): not settings
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def python_settings(mods: list[torch.nn.Module]) -> tuple:
+    """The plain Python values the code of the modules ``mods`` may decide on, as a
+    hashable tuple: every attribute of each module holding a number, bool, string, ``None``,
+    dtype, device or enum, or a short tuple, list, set or dict of those (``self.scale``,
+    ``self.use_relu``), and the same of every object other than a module or tensor that a
+    module attribute holds (a configuration: transformers' ``self.config``), each once."""
+    return tuple((i, name, f if kind == "attr" else ("object", f))
+                 for i, name, kind, f in _settings(mods))
+
+
+def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any]]:
+    out: list = []
+    seen: set[int] = set()
+    for i, m in enumerate(mods):
+        for name, v in m.__dict__.items():
+            if name in _MODULE_INTERNALS:
+                continue
+            f = _frozen(v)
+            if f is not _SKIP:
+                out.append((i, name, "attr", f))
+            elif _holds_settings(v) and id(v) not in seen:
+                seen.add(id(v))
+                out.append((i, name, "object", tuple(
+                    (k, g) for k, x in vars(v).items() if (g := _frozen(x)) is not _SKIP)))
+    return out
+
+
+def _holds_settings(v: Any) -> bool:
+    """``v`` is an object whose attributes are settings (a configuration), not a module,
+    tensor, container, class or function."""
+    return not isinstance(v, (torch.Tensor, torch.nn.Module, dict, list, tuple, set, type)) \
+        and hasattr(v, "__dict__") and not callable(v)
+
+
+class Settings:
+    """The version of :func:`python_settings` of a model's modules, checked cheaply on every
+    call of ``fxad.compile``: by identity of each plain value (a new value is a new object;
+    containers compared by value), computed again only when one changed.  Versions are
+    small integers, the same for the same values."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple, int] = {}
+        self.frozen: dict[int, tuple] = {}
+        self._mods: list | None = None
+        self._watch: list = []
+        self._current = -1
+
+    def version(self, mods: list[torch.nn.Module]) -> int:
+        if mods is self._mods and self._same():
+            return self._current
+        frozen = python_settings(mods)
+        self._current = self._ids.setdefault(frozen, len(self._ids))
+        self.frozen[self._current] = frozen
+        self._mods = mods
+        self._watch = []
+        seen: set[int] = set()
+        dicts = [(m.__dict__, _MODULE_INTERNALS) for m in mods] + [
+            (vars(v), frozenset()) for m in mods for v in m.__dict__.values()
+            if _holds_settings(v)]
+        for d, internal in dicts:
+            if id(d) in seen:
+                continue
+            seen.add(id(d))
+            plain = [(k, v) for k, v in d.items()
+                     if k not in internal and _frozen(v) is not _SKIP]
+            self._watch.append((d, len(d), tuple(k for k, _ in plain), tuple(v for _, v in plain),
+                                [(k, copy.deepcopy(v)) for k, v in plain
+                                 if isinstance(v, (list, dict, set))]))
+        return self._current
+
+    def _same(self) -> bool:
+        for d, n, keys, vals, mutable in self._watch:
+            if len(d) != n or not all(map(operator.is_, map(d.get, keys), vals)):
+                return False
+            if mutable and any(d.get(k) != c for k, c in mutable):  # plain values: ==
+                return False
+        return True
+
+
+def changed_settings(old: tuple, new: tuple, names: list[str]) -> list[str]:
+    """The attributes whose value differs between two :func:`python_settings` of the same
+    modules (``names``: the modules' paths), as ``path.attr`` (``old -> new``)."""
+    before = {(i, n): v for i, n, v in old}
+    out = []
+    for i, n, v in new:
+        w = before.get((i, n))
+        if w != v:
+            if isinstance(v, tuple) and isinstance(w, tuple) and v[:1] == w[:1] == ("object",):
+                inner = dict(w[1])
+                out += [f"{names[i]}.{n}.{k}".lstrip(".") + f" ({inner.get(k)!r} -> {x!r})"
+                        for k, x in v[1] if inner.get(k) != x]
+            else:
+                out.append(f"{names[i]}.{n}".lstrip(".") + f" ({w!r} -> {v!r})")
+    return out
+
+
+def install_settings_check(gm: torch.nn.Module, roots: list[torch.nn.Module]) -> None:
+    """Warn (a :class:`fxad.guards.ModeWarning`) on every call of the generated module
+    ``gm`` made after a Python attribute of a module in ``roots`` (or of the configuration
+    object one holds) changed: the code was specialized on the values at capture
+    (:func:`python_settings`; ``fxad.compile`` builds again instead)."""
+    mods = list({id(m): m for r in roots for m in r.modules()}.values())
+    if not mods:
+        return
+    settings = Settings()
+    built = settings.version(mods)
+
+    def hook(_gm: Any, _args: Any) -> None:
+        now = settings.version(mods)
+        if now == built:
+            return
+        names = [n for r in roots for n, _ in r.named_modules(remove_duplicate=False)]
+        changed = changed_settings(settings.frozen[built], settings.frozen[now], names)
+        warnings.warn(
+            f"this fxad graph was captured with {type(roots[0]).__name__}'s Python attributes "
+            "as they were then, and some changed since (" + ", ".join(changed[:3]) + "): the "
+            "code is specialized on their values; capture again after changing them "
+            "(fxad.compile does so by itself)", ModeWarning, stacklevel=caller_stacklevel())
+
+    gm.register_forward_pre_hook(hook)

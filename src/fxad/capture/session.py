@@ -69,6 +69,7 @@ class Session:
         self.attr_paths: dict[int, str] = {}      # id(real tensor) -> attribute path on root
         self.attr_nodes: dict[str, fx.Node] = {}
         self.module_paths: dict[int, str] = {}    # id(module) -> path on root
+        self.closure_modules: list[torch.nn.Module] = []  # attached: a function's modules
         # functionalization (fxad.capture.views): which object is a view of which, and how
         self.parent: dict[int, tuple[Any, tuple]] = {}   # id(view) -> (parent object, step)
         self.version: dict[int, int] = {}                 # id(root object) -> mutation count
@@ -362,6 +363,7 @@ class Session:
             while hasattr(self.root, path):
                 path, k = f"{base}_{k}", k + 1
             self.root.add_module(path, mod)
+            self.closure_modules.append(mod)
             self._index_root(mod, path + ".")
         if self.leaf_types and isinstance(mod, self.leaf_types):
             what = f"module {type(mod).__name__}"

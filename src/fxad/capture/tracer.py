@@ -412,6 +412,7 @@ def _capture_once(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
         if not isinstance(k, int) and k[1] in cap.const_objs]
     gm.meta["fxad_training"] = bool(f.training) if isinstance(f, torch.nn.Module) else None
     gm.meta["fxad_source_module"] = f if isinstance(f, torch.nn.Module) else None
+    gm.meta["fxad_closure_modules"] = list(cap.closure_modules)
     gm.meta[OUTPUT_SPEC] = out_spec
     return gm
 

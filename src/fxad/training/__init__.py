@@ -16,6 +16,11 @@ accumulate in place into a fresh operand (``d_x = getitem_3.add_(d_y)``;
 :func:`fxad.simplify.inplace.accumulate_in_place`), as autograd's engine accumulates, and
 casts call the dtype's method (``w.bfloat16()``, ``d_w.float()``;
 :func:`fxad.simplify.calls.cast_methods`), which Python parses faster than ``.to(dtype)``.
+A ReLU (``sigmoid``, ``tanh``) of a fresh value nothing else reads runs in place
+(``torch.relu_``, as ``nn.ReLU(inplace=True)`` in eager), and an attention mask computed from
+constants alone that is exactly the causal pattern runs as ``is_causal=True`` without the
+mask (:mod:`fxad.training.masks`: transformers' decoders build such a mask when traced).
+:func:`fxad.vjp` shows ``torch.relu`` and the mask.
 
 Convolution layout (:mod:`fxad.simplify.layout`, ``channels_last=``): on the CPU,
 :func:`joint_step` by default uses 2-D convolution weights channels-last, so that oneDNN

@@ -17,6 +17,7 @@ from ..capture.decisions import current_policy
 from ..naming import op_kind
 from ..rules import fused
 from ..simplify.layout import channels_last_convolutions
+from .masks import causal_masks_as_flags
 from .passes import (drop_whole_writes, stack_selected_cotangents, sum_to_size_as_sum,
                      zeros_of_shape)
 
@@ -166,12 +167,15 @@ def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[t
     (relu's ``threshold_backward``; :mod:`fxad.rules.fused`) unless switched off, and CPU
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
     ``channels_last`` (``"casts"``: only the weights autocast casts); the rewrites of
-    :mod:`fxad.training.passes` that remove work eager autograd does not do.  ``dynamic_shapes``
+    :mod:`fxad.training.passes` that remove work eager autograd does not do, and constant
+    causal attention masks as ``is_causal=True`` (:mod:`fxad.training.masks`).  ``dynamic_shapes``
     (a tuple in argument order, :mod:`fxad.symbolic`): build on symbolic sizes."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
     with _AutocastOff(_autocast_devices()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules,
                  dynamic_shapes=dynamic_shapes, values=current_policy())
+    with _AutocastOff(_autocast_devices()):
+        causal_masks_as_flags(g)
     stack_selected_cotangents(g)
     drop_whole_writes(g)
     zeros_of_shape(g)

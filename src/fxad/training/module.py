@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 from .. import distributed as _dist
 from ..capture.decisions import check_policy, value_policy
+from ..capture.module_state import Settings, changed_settings
 from ..capture.outputs import OUTPUT_SPEC, restore_output
 from ..capture.tracer import KeywordCall
 from ..errors import InputError, ValueGuardError
@@ -23,7 +24,7 @@ from ..simplify.inplace import accumulate_in_place
 from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
 from .capture import _onednn_enabled, _vjp_graph, autocast_state
 from .edited import EditedModule
-from .passes import accumulate_into_reshaped, write_fresh_in_place
+from .passes import accumulate_into_reshaped, activations_in_place, write_fresh_in_place
 
 __all__ = ["compile", "FxadModule", "Build", "VALUE_BUILDS_WARN"]
 
@@ -90,6 +91,9 @@ class FxadModule(torch.nn.Module):
         self._value_plans: dict[Any, list[_Plan]] = {}
         self._guarded: dict[int, bool] = {}
         self._warned: set[Any] = set()
+        # the modules' plain Python attributes (self.scale, config flags): part of the
+        # signature, as the code of a build is specialized on them
+        self._settings = Settings()
 
     # ------------------------------------------------------------------ capture
     def _modules_and_params(self) -> tuple[list, list]:
@@ -127,7 +131,8 @@ class FxadModule(torch.nn.Module):
         mods, prefs = self._modules_and_params()
         modes = tuple(m.training for m in mods)
         trainable = tuple(q.requires_grad for _, _, q in prefs)
-        return tuple(sig), modes, trainable, autocast_state(), self._keywords
+        return tuple(sig), modes, trainable, autocast_state(), self._keywords, \
+            self._settings.version(mods)
 
     def _shape_free(self, key: Any) -> Any:
         """The signature with every tensor shape replaced by its rank."""
@@ -224,11 +229,31 @@ class FxadModule(torch.nn.Module):
         elif dynamic_shapes is not None:
             reason = "the sizes broke a guard of the symbolic build"
         else:
-            reason = ("new dtype, device, structure, Python value, training flags or "
-                      "autocast state")
+            reason = self._settings_reason(key) or (
+                "new dtype, device, structure, Python value, training flags or autocast state")
         self.builds.append(Build(len(self.builds) + 1, shapes, reason,
                                  p.vjp_gm.meta.get("fxad_shapes", {}).get("symbols", {})))
         return p
+
+    def _settings_reason(self, key: Any) -> str | None:
+        """Why ``key`` needs a build when an earlier build differs from it only in the
+        modules' Python attributes: the attributes that changed (and a warning once past
+        :data:`VALUE_BUILDS_WARN` such builds)."""
+        olds = [k[-1] for k in self._plans if k[:-1] == key[:-1] and k[-1] != key[-1]]
+        if not olds:
+            return None
+        names = [n for n, _ in self.module.named_modules(remove_duplicate=False)]
+        frozen = self._settings.frozen
+        changed = changed_settings(frozen[olds[-1]], frozen[key[-1]], names)
+        if len(olds) + 1 > VALUE_BUILDS_WARN and ("settings", key[:-1]) not in self._warned:
+            self._warned.add(("settings", key[:-1]))
+            warnings.warn(
+                f"fxad.compile has built this model {len(olds) + 1} times for the same inputs "
+                "because Python attributes of its modules keep changing between calls ("
+                + ", ".join(changed[:3]) + "); the code of a build is specialized on them. "
+                "Keep a value that changes from step to step in a tensor (register_buffer) or "
+                "pass it as an argument of forward", stacklevel=5)
+        return "module attributes changed: " + ", ".join(changed[:4])
 
     def _build(self, inputs: tuple, dynamic_shapes: Any) -> _Plan:
         argnums = tuple(i for i, x in enumerate(inputs)
@@ -244,6 +269,7 @@ class FxadModule(torch.nn.Module):
         accumulate_in_place(part.bwd_gm)  # run once, never transformed again
         accumulate_into_reshaped(part.bwd_gm)
         write_fresh_in_place(part.bwd_gm)
+        activations_in_place(part.fwd_gm)
         cast_methods(part.fwd_gm)
         cast_methods(part.bwd_gm)
         p = _Plan(part, len(inputs), g)
@@ -510,7 +536,12 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     one (``m.builds`` names the line); past :data:`VALUE_BUILDS_WARN` builds for one
     signature a warning names the line and the fix.  ``values``: ``"guard"`` (default),
     ``"guard+sizes"`` (data-dependent sizes too) or ``"refuse"``, as in :func:`fxad.vjp`.
-    Each guard reads a value: one device synchronization per guard on a GPU.
+    Each guard reads a value: one device synchronization per guard on a GPU.  The modules'
+    plain Python attributes (numbers, flags, strings, short containers of them, and those of
+    an object a module holds, such as a configuration) are part of what a build is
+    specialized on: changing one between calls (``m.scale = 3.0``,
+    ``m.config.use_cache = False``) builds again, and ``m.builds`` names the attribute
+    (:class:`fxad.capture.module_state.Settings`, checked by identity on every call).
 
     Edited derivative (``vjp=``): the path (or text) of a training split written by
     ``fxad.eject(model, *inputs, kind="training")`` and edited by hand; the returned

@@ -28,7 +28,12 @@ training step against eager's, ``benchmarks/bench_real_models.py --profile``):
   as autograd's ``SelectBackward``/``SliceBackward`` write into their zero tensor;
 * :func:`accumulate_into_reshaped` (also after the split): a cotangent sum with a reshaped
   fresh operand (a linear layer's input cotangent) accumulates into it in place, as
-  :func:`fxad.simplify.inplace.accumulate_in_place` does for a fresh operand.
+  :func:`fxad.simplify.inplace.accumulate_in_place` does for a fresh operand;
+* :func:`activations_in_place` (on the forward graph after the split): ``torch.relu(x)``
+  (``sigmoid``, ``tanh``) of a fresh ``x`` that nothing else reads is ``torch.relu_(x)``,
+  as ``nn.ReLU(inplace=True)`` runs in eager (ResNet's ``relu(bn(conv(x)))``): one
+  activation-sized allocation and write fewer per call.  The readable code shows
+  ``torch.relu`` with the comment ``# in place: ...`` that capture writes.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .. import ops
 from ..graph.proxy import substitute
@@ -45,7 +51,7 @@ from ..naming import code_builtin
 
 __all__ = ["stack_selected_cotangents", "drop_whole_writes", "zeros_of_shape",
            "sum_to_size_as_sum", "write_fresh_in_place", "write_into",
-           "accumulate_into_reshaped"]
+           "accumulate_into_reshaped", "activations_in_place", "fresh_result"]
 
 _ADDS = (operator.add, torch.add)
 
@@ -328,6 +334,70 @@ def accumulate_into_reshaped(gm: fx.GraphModule) -> int:
             n.op, n.target, n.args = "call_method", "add_", (acc, other)
             done += 1
             break
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def _torch_default_overload(target: Any) -> Any:
+    """The ATen ``default`` overload of a torch builtin function of the same name
+    (``torch.native_batch_norm`` -> ``aten.native_batch_norm.default``), or None; None for
+    the ``unsafe_`` ops (``unsafe_chunk``: views whose schema declares no alias)."""
+    name = getattr(target, "__name__", "")
+    if not (callable(target) and type(target).__name__ == "builtin_function_or_method"
+            and getattr(torch, name, None) is target) or name.startswith("unsafe"):
+        return None
+    packet = getattr(torch.ops.aten, target.__name__, None)
+    return getattr(packet, "default", None) if packet is not None else None
+
+
+def fresh_result(n: Any) -> bool:
+    """``n``'s tensor is newly allocated by its op (:func:`fxad.simplify.inplace.is_fresh`),
+    also for one result of a torch builtin whose ATen ``default`` overload returns no alias
+    of an input (``batch_norm, save_mean, save_invstd = torch.native_batch_norm(...)``)."""
+    if not isinstance(n, fx.Node):
+        return False
+    if is_fresh(n):
+        return True
+    if n.op == "call_function" and n.target is operator.getitem and n.args \
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "call_function":
+        src = n.args[0]
+        ov = _torch_default_overload(src.target)
+        if isinstance(ov, torch._ops.OpOverload) and not ov._schema.is_mutable \
+                and all(r.alias_info is None for r in ov._schema.returns) \
+                and isinstance(src.meta.get("val"), (tuple, list)):
+            return True
+    return False
+
+
+_IN_PLACE_ACTIVATIONS = {torch.relu: torch.relu_, F.relu: torch.relu_,
+                         torch.sigmoid: torch.sigmoid_, torch.tanh: torch.tanh_}
+
+
+def activations_in_place(gm: fx.GraphModule) -> int:
+    """Rewrite ``y = torch.relu(x)`` (also ``F.relu`` without ``inplace``,
+    ``torch.sigmoid``, ``torch.tanh``) to ``y = torch.relu_(x)`` where ``x`` is a fresh tensor
+    (:func:`fresh_result`, not an input of the graph) that nothing else reads, of ``y``'s
+    shape, dtype and strides: the same values written into ``x``'s memory, as eager's
+    ``nn.ReLU(inplace=True)``.  The graph then mutates (run it, do not transform it again).
+    Returns the number of rewrites."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target in _IN_PLACE_ACTIVATIONS
+                and len(n.args) == 1 and not n.kwargs):
+            continue
+        x = n.args[0]
+        xv, out = _val(x), _val(n)
+        if not (isinstance(x, fx.Node) and len(x.users) == 1 and fresh_result(x)
+                and not x.meta.get("fxad_side_effect")
+                and isinstance(xv, torch.Tensor) and isinstance(out, torch.Tensor)
+                and xv.dtype == out.dtype and tuple(xv.shape) == tuple(out.shape)
+                and xv.stride() == out.stride()):
+            continue
+        n.target = _IN_PLACE_ACTIVATIONS[n.target]
+        done += 1
     if done:
         g.lint()
         gm.recompile()

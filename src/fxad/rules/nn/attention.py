@@ -10,9 +10,11 @@ additive mask (with or without ``is_causal``) at level ``"all"`` (code built to 
 (:data:`CPU_FLASH_TAKES_MASK`, read from their schemas).  So the readable and the run forms
 differ for a masked attention: :func:`fxad.vjp` shows the formulas of
 :class:`ScaledDotProductAttention`, the training code calls the kernels
-(:class:`ScaledDotProductAttentionFusedMask`).  With ``dropout_p > 0`` both forms write the
-probabilities out (:class:`ScaledDotProductAttentionDropout`), as eager PyTorch's CPU
-dispatch runs its math reference with dropout.  Configurations the rule cannot
+(:class:`ScaledDotProductAttentionFusedMask`); there, a mask computed from constants alone
+that is exactly the causal pattern (transformers' decoders build one under capture) becomes
+``is_causal=True`` without a mask (:mod:`fxad.training.masks`).  With ``dropout_p > 0``
+both forms write the probabilities out (:class:`ScaledDotProductAttentionDropout`), as eager
+PyTorch's CPU dispatch runs its math reference with dropout.  Configurations the rule cannot
 differentiate exactly raise :class:`~fxad.errors.RuleError` naming what to change.
 """
 from __future__ import annotations

@@ -1,0 +1,127 @@
+"""fxad.compile and the Python attributes of the model's modules (``self.scale``, a flag, a
+configuration object): the code of a build is specialized on them, so a change between calls
+builds again, like a change of shapes, and the step matches eager PyTorch."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxad
+from fxad.capture.module_state import Settings, changed_settings
+from fxad.training.module import VALUE_BUILDS_WARN
+
+DT = torch.float64
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.scale = 2.0
+        self.use_relu = True
+        self.config = types.SimpleNamespace(power=1, names=["a"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale
+        if self.use_relu:
+            h = torch.relu(h)
+        return (h ** self.config.power).sum()
+
+
+def _step(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m.zero_grad()
+    out = m(x)
+    out.backward()
+    inner = m.module if hasattr(m, "module") else m
+    return out.detach(), inner.lin.weight.grad.clone()
+
+
+@pytest.mark.parametrize("change", ["scale", "flag", "config", "config list"])
+def test_a_changed_attribute_builds_again_and_matches_eager(change):
+    torch.manual_seed(0)
+    m = Scaled()
+    x = torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    _step(cm, x)
+    if change == "scale":
+        m.scale = 3.0
+    elif change == "flag":
+        m.use_relu = False
+    elif change == "config":
+        m.config.power = 2
+    else:
+        m.config.names.append("b")  # changed in place: compared by value
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 2
+    assert cm.builds[1].reason.startswith("module attributes changed: ")
+    named = {"scale": "scale (2.0 -> 3.0)", "flag": "use_relu (True -> False)",
+             "config": "config.power (1 -> 2)", "config list": "config.names"}[change]
+    assert named in cm.builds[1].reason
+
+
+def test_unchanged_and_returning_values_reuse_their_builds():
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    for _ in range(3):
+        _step(cm, x)
+    assert len(cm.builds) == 1
+    for scale in (3.0, 2.0, 3.0, 2.0):
+        m.scale = scale
+        got, want = _step(cm, x), _step(m, x)
+        torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 2  # one build per set of values
+
+
+def test_a_value_changing_every_step_is_warned_about():
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    with pytest.warns(UserWarning, match=r"Python attributes of its modules keep changing .*"
+                                         r"scale \(.*register_buffer"):
+        for k in range(VALUE_BUILDS_WARN + 1):
+            m.scale = 1.0 + k
+            _step(cm, x)
+
+
+def test_settings_version_is_checked_by_identity_and_names_changes():
+    m = Scaled()
+    mods = list(m.modules())
+    st = Settings()
+    v0 = st.version(mods)
+    assert st.version(mods) == v0
+    m.lin.extra = (1, 2)  # a new attribute
+    v1 = st.version(mods)
+    assert v1 != v0
+    names = [n for n, _ in m.named_modules()]
+    assert changed_settings(st.frozen[v0], st.frozen[v1], names) == ["lin.extra (None -> "
+                                                                     "('tuple', (1, 2)))"]
+    del m.lin.extra
+    assert st.version(mods) == v0
+    m.lin.weight.data.mul_(2)  # tensors are not settings
+    assert st.version(mods) == v0
+
+
+def test_generated_code_warns_when_the_module_changed_since_capture():
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    g = fxad.grad(m, x)
+    g(x)  # unchanged: no warning
+    m.scale = 3.0
+    with pytest.warns(fxad.guards.ModeWarning, match=r"Python attributes .* changed since "
+                                                     r"\(scale \(2.0 -> 3.0\)\)"):
+        g(x)
+
+
+def test_closure_modules_are_watched_too():
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    g = fxad.grad(lambda x: m(x) * 2, x)
+    m.config.power = 2
+    with pytest.warns(fxad.guards.ModeWarning, match=r"config.power \(1 -> 2\)"):
+        g(x)
+    m.config.power = 1
+    m.eval()
+    with pytest.warns(fxad.guards.ModeWarning, match=r"now in eval mode"):
+        g(x)
