@@ -45,6 +45,31 @@ def _model() -> TinyMoE:
     return TinyMoE().to(D)
 
 
+def _close(a, b, equal_nan=False):
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=equal_nan)
+
+
+def _grad_matches(g, f, x: torch.Tensor, seed: int, equal_nan: bool = False) -> None:
+    """fxad's gradient ``g`` of ``f`` at ``x`` equals autograd's under the same seed."""
+    torch.manual_seed(seed)
+    value, (dx,) = g(x)
+    xr = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    ref = f(xr)
+    _close(value, ref.detach(), equal_nan)
+    _close(dx, torch.autograd.grad(ref, xr)[0], equal_nan)
+
+
+def _jvp_matches(jvp, f, x: torch.Tensor, t: torch.Tensor, seed: int) -> None:
+    """fxad's JVP of ``f`` at ``x`` along ``t`` equals ``torch.func.jvp`` under the same seed."""
+    torch.manual_seed(seed)
+    out, tangent = jvp(x, t)
+    torch.manual_seed(seed)
+    ref, ref_tangent = torch.func.jvp(f, (x,), (t,))
+    _close(out, ref)
+    _close(tangent, ref_tangent)
+
+
 def _eager_vjp(m: TinyMoE, x: torch.Tensor, ct: torch.Tensor, seed: int):
     m.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_()
@@ -81,16 +106,10 @@ def test_one_build_matches_autograd_on_every_draw():
 def test_grad_of_a_loss_matches_autograd():
     m = _model()
     x = torch.randn(8, 4, dtype=D)
-    g = fxad.grad(lambda x: m(x).pow(2).sum(), x)
+    loss = lambda x: m(x).pow(2).sum()  # noqa: E731
+    g = fxad.grad(loss, x)
     for seed in (3, 4):
-        torch.manual_seed(seed)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(seed)
-        ref = m(xr).pow(2).sum()
-        (ref_dx,) = torch.autograd.grad(ref, xr)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
+        _grad_matches(g, loss, x, seed)
 
 
 def test_programs_without_such_sizes_keep_their_code():
@@ -167,13 +186,7 @@ def test_a_drawn_size_in_slices_and_factories_matches_autograd():
     x = torch.randn(5, dtype=D)
     g = fxad.grad(drawn_prefix, x)
     for seed in range(4):
-        torch.manual_seed(seed)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(seed)
-        ref = drawn_prefix(xr)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        _grad_matches(g, drawn_prefix, x, seed)
 
 
 def decides_on_a_drawn_size(x: torch.Tensor) -> torch.Tensor:
@@ -196,12 +209,7 @@ def test_jvp_matches_torch_func_on_every_draw():
     t = torch.randn(8, 4, dtype=D)
     jvp = fxad.jvp(m, x)
     for seed in (0, 1, 2):
-        torch.manual_seed(seed)
-        out, tangent = jvp(x, t)
-        torch.manual_seed(seed)
-        ref, ref_tangent = torch.func.jvp(m, (x,), (t,))
-        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(tangent, ref_tangent, rtol=1e-12, atol=1e-12)
+        _jvp_matches(jvp, m, x, t, seed)
 
 
 def test_with_symbolic_input_sizes_too():
@@ -351,14 +359,7 @@ def test_a_random_selection_matches_autograd_on_every_draw(f):
     assert re.search(r"= \w+\.size\(0\)", g.code), g.code  # the count, read on every call
     counts = set()
     for seed in range(6):
-        torch.manual_seed(seed)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(seed)
-        ref = f(xr)  # (the mean of an empty selection is nan, in both)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12,
-                                   equal_nan=True)
+        _grad_matches(g, f, x, seed, equal_nan=True)  # (an empty selection's mean is nan)
         counts.add(_count(f, x, seed))
     assert len(counts) > 1, counts  # the selection's size did change from call to call
 
@@ -369,12 +370,7 @@ def test_jvp_of_a_random_selection_matches_torch_func(f):
     t = torch.randn(6, 3, dtype=D)
     jvp = fxad.jvp(f, x)
     for seed in range(4):
-        torch.manual_seed(seed)
-        out, tangent = jvp(x, t)
-        torch.manual_seed(seed)
-        ref, ref_tangent = torch.func.jvp(f, (x,), (t,))
-        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(tangent, ref_tangent, rtol=1e-12, atol=1e-12)
+        _jvp_matches(jvp, f, x, t, seed)
 
 
 def test_the_backward_checks_its_own_count_naming_the_line():
@@ -562,13 +558,7 @@ def test_other_index_forms_of_a_random_selection_match_autograd(f):
     x = torch.randn(5, 4, dtype=D)
     g = fxad.grad(f, x)
     for seed in range(5):
-        torch.manual_seed(seed)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(seed)
-        ref = f(xr)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        _grad_matches(g, f, x, seed)
 
 
 def test_int_of_a_drawn_count_is_refused_naming_the_line():
