@@ -125,3 +125,28 @@ def test_closure_modules_are_watched_too():
     m.eval()
     with pytest.warns(fxad.guards.ModeWarning, match=r"now in eval mode"):
         g(x)
+
+
+def test_configuration_objects_count_other_held_objects_do_not():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Args:
+        power: int = 1
+
+    class Schedule:  # held, but state that changes every step: not a setting
+        def __init__(self):
+            self.last_epoch = 0
+
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    m.config = Args()
+    m.schedule = Schedule()
+    cm = fxad.compile(m, x)
+    for step in range(3):
+        m.schedule.last_epoch = step
+        _step(cm, x)
+    assert len(cm.builds) == 1
+    m.config.power = 2
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 2 and "config.power (1 -> 2)" in cm.builds[1].reason

@@ -8,9 +8,12 @@ generated code therefore differs from eager PyTorch.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import enum
 import operator
+import types
 import warnings
 from typing import Any
 
@@ -140,8 +143,9 @@ def python_settings(mods: list[torch.nn.Module]) -> tuple:
     """The plain Python values the code of the modules ``mods`` may decide on, as a
     hashable tuple: every attribute of each module holding a number, bool, string, ``None``,
     dtype, device or enum, or a short tuple, list, set or dict of those (``self.scale``,
-    ``self.use_relu``), and the same of every object other than a module or tensor that a
-    module attribute holds (a configuration: transformers' ``self.config``), each once."""
+    ``self.use_relu``), and the same of every configuration object a module attribute holds
+    (transformers' ``self.config``, a dataclass, a namespace: :func:`_holds_settings`), each
+    once."""
     return tuple((i, name, f if kind == "attr" else ("object", f))
                  for i, name, kind, f in _settings(mods))
 
@@ -164,10 +168,16 @@ def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any]]:
 
 
 def _holds_settings(v: Any) -> bool:
-    """``v`` is an object whose attributes are settings (a configuration), not a module,
-    tensor, container, class or function."""
-    return not isinstance(v, (torch.Tensor, torch.nn.Module, dict, list, tuple, set, type)) \
-        and hasattr(v, "__dict__") and not callable(v)
+    """``v`` is a configuration object whose attributes are settings: a dataclass instance,
+    a ``SimpleNamespace`` / ``argparse.Namespace``, or an instance of a class named
+    ``...Config...`` (transformers' ``PretrainedConfig``); not other objects a module may
+    hold (a trainer, an optimizer, a scheduler), whose state changes from step to step."""
+    if isinstance(v, (torch.Tensor, torch.nn.Module, type)) or callable(v) \
+            or not hasattr(v, "__dict__"):
+        return False
+    return dataclasses.is_dataclass(v) or isinstance(v, (types.SimpleNamespace,
+                                                         argparse.Namespace)) \
+        or any("Config" in c.__name__ for c in type(v).__mro__)
 
 
 class Settings:
