@@ -150,3 +150,31 @@ def test_configuration_objects_count_other_held_objects_do_not():
     got, want = _step(cm, x), _step(m, x)
     torch.testing.assert_close(got[1], want[1])
     assert len(cm.builds) == 2 and "config.power (1 -> 2)" in cm.builds[1].reason
+
+
+@pytest.mark.parametrize("what", ["buffer", "plain tensor"])
+def test_a_replaced_tensor_attribute_builds_again(what):
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).double()
+            self.register_buffer("shift", torch.zeros(4, dtype=DT))
+            self.gain = torch.ones(4, dtype=DT)
+
+        def forward(self, x):
+            return ((self.lin(x) + self.shift) * self.gain).pow(2).sum()
+
+    m, x = Shifted(), torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    _step(cm, x)
+    m.shift.add_(1.0)  # changed in place: the same build reads it
+    torch.testing.assert_close(_step(cm, x)[1], _step(m, x)[1])
+    assert len(cm.builds) == 1
+    if what == "buffer":
+        m.shift = torch.full((4,), 2.0, dtype=DT)
+    else:
+        m.gain = torch.full((4,), 3.0, dtype=DT)
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 2 and "(another tensor)" in cm.builds[1].reason

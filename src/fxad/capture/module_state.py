@@ -121,9 +121,14 @@ _LONGEST = 64  # a longer container (a label table) is data, not a setting: not 
 
 
 def _frozen(v: Any, depth: int = 0) -> Any:
-    """``v`` as a hashable value to compare, or ``_SKIP`` when it is not a plain setting."""
+    """``v`` as a hashable value to compare, or ``_SKIP`` when it is not a plain setting; a
+    tensor attribute (a buffer, a plain tensor the code reads as a constant) by identity: a
+    new tensor object is a change (the code of a build holds the one it was built with, so
+    its identifier is not reused while that build exists)."""
     if isinstance(v, _ATOMS):
         return v
+    if depth == 0 and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+        return ("tensor", id(v))
     if depth < 2 and isinstance(v, (tuple, list, set, frozenset, dict)) and len(v) <= _LONGEST:
         items = list(v.items()) if isinstance(v, dict) else list(v)
         out = tuple(_frozen(x, depth + 1) for x in items) if not isinstance(v, dict) else \
@@ -154,7 +159,7 @@ def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any]]:
     out: list = []
     seen: set[int] = set()
     for i, m in enumerate(mods):
-        for name, v in m.__dict__.items():
+        for name, v in [*m.__dict__.items(), *m._buffers.items()]:
             if name in _MODULE_INTERNALS:
                 continue
             f = _frozen(v)
@@ -203,6 +208,7 @@ class Settings:
         self._watch = []
         seen: set[int] = set()
         dicts = [(m.__dict__, _MODULE_INTERNALS) for m in mods] + [
+            (m._buffers, frozenset()) for m in mods] + [
             (vars(v), frozenset()) for m in mods for v in m.__dict__.values()
             if _holds_settings(v)]
         for d, internal in dicts:
@@ -232,7 +238,9 @@ def changed_settings(old: tuple, new: tuple, names: list[str]) -> list[str]:
     out = []
     for i, n, v in new:
         w = before.get((i, n))
-        if w != v:
+        if isinstance(v, tuple) and v[:1] == ("tensor",) and w != v:
+            out.append(f"{names[i]}.{n}".lstrip(".") + " (another tensor)")
+        elif w != v:
             if isinstance(v, tuple) and isinstance(w, tuple) and v[:1] == w[:1] == ("object",):
                 inner = dict(w[1])
                 out += [f"{names[i]}.{n}.{k}".lstrip(".") + f" ({inner.get(k)!r} -> {x!r})"
