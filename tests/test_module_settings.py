@@ -178,3 +178,17 @@ def test_a_replaced_tensor_attribute_builds_again(what):
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     assert len(cm.builds) == 2 and "(another tensor)" in cm.builds[1].reason
+
+
+def test_a_hook_registered_or_removed_after_compile_builds_again():
+    m, x = Scaled(), torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    _step(cm, x)
+    handle = m.lin.register_forward_hook(lambda mod, inp, out: out * 2)
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[1], want[1])
+    assert "lin._forward_hooks (hooks changed)" in cm.builds[-1].reason
+    handle.remove()
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 2  # back to the first build's hooks: its build again

@@ -142,6 +142,14 @@ def _frozen(v: Any, depth: int = 0) -> Any:
 _SKIP = object()
 # nn.Module's own bookkeeping (hooks, parameter tables, the training flag): not settings
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+# the hooks a module call runs (the module's own, then every module's): which are registered
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_MODULE_HOOKS = torch.nn.modules.module
+
+
+def _global_hooks() -> list[dict]:
+    return [d for d in (getattr(_MODULE_HOOKS, f"_global{h}", None) for h in _HOOKS)
+            if isinstance(d, dict)]
 
 
 def python_settings(mods: list[torch.nn.Module]) -> tuple:
@@ -169,6 +177,13 @@ def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any]]:
                 seen.add(id(v))
                 out.append((i, name, "object", tuple(
                     (k, g) for k, x in vars(v).items() if (g := _frozen(x)) is not _SKIP)))
+        for name in _HOOKS:
+            d = getattr(m, name, None)
+            if d:  # a hook registered on it (by handle: handles are never reused)
+                out.append((i, name, "attr", ("hooks", tuple(d))))
+    for k, d in enumerate(_global_hooks()):
+        if d:
+            out.append((-1, f"global{_HOOKS[k]}", "attr", ("hooks", tuple(d))))
     return out
 
 
@@ -196,6 +211,7 @@ class Settings:
         self.frozen: dict[int, tuple] = {}
         self._mods: list | None = None
         self._watch: list = []
+        self._hooks: list[tuple[dict, tuple]] = []
         self._current = -1
 
     def version(self, mods: list[torch.nn.Module]) -> int:
@@ -205,6 +221,9 @@ class Settings:
         self._current = self._ids.setdefault(frozen, len(self._ids))
         self.frozen[self._current] = frozen
         self._mods = mods
+        self._hooks = [(d, tuple(d)) for d in [getattr(m, h) for m in mods for h in _HOOKS
+                                               if isinstance(getattr(m, h, None), dict)]
+                       + _global_hooks()]
         self._watch = []
         seen: set[int] = set()
         dicts = [(m.__dict__, _MODULE_INTERNALS) for m in mods] + [
@@ -223,6 +242,8 @@ class Settings:
         return self._current
 
     def _same(self) -> bool:
+        if any(tuple(d) != keys for d, keys in self._hooks):
+            return False
         for d, n, keys, vals, mutable in self._watch:
             if len(d) != n or not all(map(operator.is_, map(d.get, keys), vals)):
                 return False
@@ -233,20 +254,28 @@ class Settings:
 
 def changed_settings(old: tuple, new: tuple, names: list[str]) -> list[str]:
     """The attributes whose value differs between two :func:`python_settings` of the same
-    modules (``names``: the modules' paths), as ``path.attr`` (``old -> new``)."""
+    modules (``names``: the modules' paths), as ``path.attr (old -> new)``."""
     before = {(i, n): v for i, n, v in old}
+    after = {(i, n): v for i, n, v in new}
     out = []
-    for i, n, v in new:
-        w = before.get((i, n))
-        if isinstance(v, tuple) and v[:1] == ("tensor",) and w != v:
-            out.append(f"{names[i]}.{n}".lstrip(".") + " (another tensor)")
-        elif w != v:
-            if isinstance(v, tuple) and isinstance(w, tuple) and v[:1] == w[:1] == ("object",):
-                inner = dict(w[1])
-                out += [f"{names[i]}.{n}.{k}".lstrip(".") + f" ({inner.get(k)!r} -> {x!r})"
-                        for k, x in v[1] if inner.get(k) != x]
-            else:
-                out.append(f"{names[i]}.{n}".lstrip(".") + f" ({w!r} -> {v!r})")
+    for (i, n) in [*before, *(k for k in after if k not in before)]:
+        w, v = before.get((i, n)), after.get((i, n))
+        if w == v:
+            continue
+        where = n if i < 0 else f"{names[i]}.{n}".lstrip(".")
+        kind = next((x[0] for x in (v, w) if isinstance(x, tuple) and x[:1] in
+                     (("hooks",), ("tensor",), ("object",))), None)
+        if kind == "hooks":
+            out.append(f"{where} (hooks changed)")
+        elif kind == "tensor":
+            out.append(f"{where} (another tensor)")
+        elif kind == "object" and isinstance(v, tuple) and isinstance(w, tuple):
+            inner, now = dict(w[1]), dict(v[1])
+            out += [f"{where}.{k} ({inner.get(k)!r} -> {now.get(k)!r})"
+                    for k in [*inner, *(k for k in now if k not in inner)]
+                    if inner.get(k) != now.get(k)]
+        else:
+            out.append(f"{where} ({w!r} -> {v!r})")
     return out
 
 

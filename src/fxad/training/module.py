@@ -540,8 +540,8 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     plain Python attributes (numbers, flags, strings, short containers of them, and those of
     an object a module holds, such as a configuration) are part of what a build is
     specialized on: changing one between calls (``m.scale = 3.0``,
-    ``m.config.use_cache = False``), or assigning another tensor to a buffer or tensor
-    attribute, builds again, and ``m.builds`` names the attribute
+    ``m.config.use_cache = False``), assigning another tensor to a buffer or tensor
+    attribute, or registering or removing a module hook builds again, and ``m.builds`` names the attribute
     (:class:`fxad.capture.module_state.Settings`, checked by identity on every call).
 
     Edited derivative (``vjp=``): the path (or text) of a training split written by
