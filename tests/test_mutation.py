@@ -234,3 +234,65 @@ def test_setitem_with_a_0d_boolean_mask(sign):
     o = f(xr)
     torch.testing.assert_close(out, o)
     torch.testing.assert_close(d_x, torch.autograd.grad(o, xr, torch.ones(3, dtype=D))[0])
+
+
+# -- out= ------------------------------------------------------------------------------------
+def _written_under_no_grad(x, buf):
+    y = torch.sin(x)
+    with torch.no_grad():
+        torch.mul(y, 2.0, out=buf)  # a buffer update, as eager allows it
+    return (buf * x).sum() + y.sum()
+
+
+def test_out_under_no_grad_writes_the_buffer_on_every_call():
+    x = torch.randn(3, dtype=D)
+    g = fxad.grad(_written_under_no_grad, x, torch.zeros(3, dtype=D))
+    for seed in range(2):
+        xs = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(seed))
+        buf, ref_buf = torch.zeros(3, dtype=D), torch.zeros(3, dtype=D)
+        value, (dx, _) = g(xs, buf)
+        xr = xs.clone().requires_grad_()
+        ref = _written_under_no_grad(xr, ref_buf)
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0])
+        torch.testing.assert_close(buf, ref_buf)
+
+
+def test_spectral_norm_trains_like_eager():
+    import copy
+
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    m = nn.Sequential(spectral_norm(nn.Linear(4, 3)), nn.Tanh()).double()
+    ref = copy.deepcopy(m)
+    x = torch.randn(5, 4, dtype=D)
+    cm = fxad.compile(m, x)
+    for _ in range(3):  # its power iteration updates the buffers _u, _v in place (out=)
+        m.zero_grad()
+        ref.zero_grad()
+        cm(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for b, c in zip(m.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c)
+
+
+def test_out_of_another_shape_or_a_narrower_dtype_is_refused():
+    def resized(x):
+        with torch.no_grad():
+            buf = torch.empty(2, dtype=D)
+            torch.sin(x, out=buf)
+        return x.sum() * buf.sum()
+
+    with pytest.raises(fxad.InplaceError, match="another shape"):
+        fxad.grad(resized, torch.randn(3, dtype=D))
+
+    def narrowed(x):
+        with torch.no_grad():
+            buf = torch.zeros(3, dtype=torch.long)
+            torch.add(x, x, out=buf)
+        return x.sum() * buf.sum()
+
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        fxad.grad(narrowed, torch.randn(3, dtype=D))

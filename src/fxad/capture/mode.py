@@ -97,9 +97,17 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
         return iter([handle(cap, torch.Tensor.__getitem__, (t, i), {})
                      for i in range(t.shape[0])])
     if kwargs.get("out") is not None:
-        raise InplaceError(
-            f"{what}(..., out=...) writes into an existing tensor",
-            op=what, loc=user_source_loc(), hint="assign the result instead: y = op(...)")
+        if torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and id(a) in cap.env and a.is_floating_point()
+                for a in pytree.tree_leaves((args, kwargs))):
+            # as eager PyTorch, which refuses out= where an argument requires grad
+            raise InplaceError(
+                f"{what}(..., out=...) writes into an existing tensor where gradients are "
+                "recorded (eager PyTorch refuses it too when an argument requires grad)",
+                op=what, loc=user_source_loc(),
+                hint="assign the result instead (y = op(...)), or write it under "
+                     "torch.no_grad() (a buffer update: then recorded as one)")
+        return _into_out(cap, func, args, kwargs, what)
     # -- in-place forms
     if method in IDUNDER and args and isinstance(args[0], torch.Tensor):
         return inplace(cap, func, args, kwargs, ("call_function", IDUNDER[method]),
@@ -152,6 +160,35 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
     for v in pytree.tree_leaves(out):  # values computed with known arguments' values
         if isinstance(v, torch.Tensor) and id(v) in cap.known and id(v) in cap.env:
             cap.env[id(v)].meta["fxad_value"] = cap.known[id(v)]
+    return out
+
+
+def _into_out(cap: Any, func: Any, args: tuple, kwargs: dict, what: str) -> Any:
+    """``func(*args, out=o)``: the result computed as a new tensor, then written into ``o``
+    in place (``o.copy_(result)``, recorded as any in-place write: a buffer the program
+    updates this way, spectral norm's power iteration, is updated by the generated code on
+    every call); ``o`` (a tuple of tensors: each) returned.
+
+    Raises:
+        InplaceError: ``o`` does not have the result's shape (PyTorch would resize it).
+        RuntimeError: the result's dtype cannot be cast to ``o``'s, as PyTorch raises."""
+    out = kwargs["out"]
+    result = handle(cap, func, args, {k: v for k, v in kwargs.items() if k != "out"})
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    if len(outs) != len(results) or any(
+            not isinstance(o, torch.Tensor) or not isinstance(r, torch.Tensor)
+            or tuple(o.shape) != tuple(r.shape) for o, r in zip(outs, results)):
+        raise InplaceError(
+            f"{what}(..., out=...) writes into a tensor of another shape than the result, "
+            "which PyTorch resizes", op=what, loc=user_source_loc(),
+            hint="assign the result instead: y = op(...)")
+    for o, r in zip(outs, results):
+        if not torch.can_cast(r.dtype, o.dtype):  # as PyTorch refuses it
+            raise RuntimeError(f"result type {str(r.dtype)[6:].capitalize()} can't be cast to "
+                               f"the desired output type {str(o.dtype)[6:].capitalize()}")
+    for o, r in zip(outs, results):
+        handle(cap, torch.Tensor.copy_, (o, r), {})
     return out
 
 
