@@ -291,6 +291,8 @@ def install_settings_check(gm: torch.nn.Module, roots: list[torch.nn.Module]) ->
     built = settings.version(mods)
 
     def hook(_gm: Any, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # torch.compile guards the attributes itself
+            return
         now = settings.version(mods)
         if now == built:
             return
