@@ -249,23 +249,31 @@ class Routed(nn.Module):
         return out.pow(2).sum()
 
 
-def _train(values: str, steps: int = 6):
+def _train_beside_eager(cls, rows: int, lr: float, steps: int, values: str = "guard",
+                       count=None):
+    """``fxad.compile`` of a ``cls`` and an eager copy trained side by side with SGD on one
+    batch of ``rows`` x 4 (each step under the same seed): equal losses at every step and
+    equal parameters at the end.  Returns the compiled model and the values of
+    ``count(ref, x)`` seen before each step."""
     torch.manual_seed(0)
-    model = Routed().to(D)
-    ref = Routed().to(D)
+    model = cls().to(D)
+    ref = cls().to(D)
     ref.load_state_dict(model.state_dict())
-    x = torch.randn(16, 4, dtype=D)
+    x = torch.randn(rows, 4, dtype=D)
     compiled = fxad.compile(model, values=values)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     counts = set()
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            counts.add(tuple(F.one_hot(ref.moe.router(x).argmax(1), 3).sum(0).tolist()))
+        if count is not None:
+            with torch.no_grad():
+                counts.add(count(ref, x))
+        torch.manual_seed(step)
         loss = compiled(x)
         loss.backward()
+        torch.manual_seed(step)
         ref_loss = ref(x)
         ref_loss.backward()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
@@ -274,6 +282,12 @@ def _train(values: str, steps: int = 6):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
     return compiled, counts
+
+
+def _train(values: str):
+    return _train_beside_eager(
+        Routed, 16, 0.5, 6, values,
+        count=lambda ref, x: tuple(F.one_hot(ref.moe.router(x).argmax(1), 3).sum(0).tolist()))
 
 
 def test_opting_in_reads_every_integer_size_on_every_call():
@@ -475,28 +489,7 @@ class Selected(nn.Module):
 
 
 def test_compile_trains_a_random_selection_like_eager():
-    torch.manual_seed(0)
-    m = Selected().to(D)
-    ref = Selected().to(D)
-    ref.load_state_dict(m.state_dict())
-    x = torch.randn(8, 4, dtype=D)
-    compiled = fxad.compile(m)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(4):
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
-        torch.manual_seed(step)
-        loss = compiled(x)
-        loss.backward()
-        torch.manual_seed(step)
-        ref_loss = ref(x)
-        ref_loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    compiled, _ = _train_beside_eager(Selected, 8, 0.1, 4)
     assert len(compiled.builds) == 1
 
 
@@ -513,29 +506,8 @@ class PositivePart(nn.Module):
 
 
 def test_opting_in_trains_a_selection_with_one_build():
-    torch.manual_seed(0)
-    m = PositivePart().to(D)
-    ref = PositivePart().to(D)
-    ref.load_state_dict(m.state_dict())
-    x = torch.randn(8, 4, dtype=D)
-    compiled = fxad.compile(m, values="guard+unbacked")
-    opt = torch.optim.SGD(m.parameters(), lr=0.3)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
-    counts = set()
-    for _ in range(5):
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            counts.add(int((ref.lin(x) > 0).sum()))
-        loss = compiled(x)
-        loss.backward()
-        ref_loss = ref(x)
-        ref_loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    compiled, counts = _train_beside_eager(PositivePart, 8, 0.3, 5, "guard+unbacked",
+                                           count=lambda ref, x: int((ref.lin(x) > 0).sum()))
     assert len(counts) > 1, counts  # the selection's size changed while training
     assert len(compiled.builds) == 1
 
