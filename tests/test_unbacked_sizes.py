@@ -218,14 +218,7 @@ def test_with_symbolic_input_sizes_too():
     line = next(s for s in g.code.splitlines() if "fxad_expect_size('=='" in s)
     assert "== x_size_0" in line, line
     for n in (8, 11):
-        x = torch.randn(n, 4, dtype=D)
-        torch.manual_seed(n)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(n)
-        ref = m(xr).pow(2).sum()
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        _grad_matches(g, lambda x: m(x).pow(2).sum(), torch.randn(n, 4, dtype=D), seed=n)
 
 
 class Routed(nn.Module):
@@ -406,11 +399,7 @@ def test_opting_in_reads_a_selection_of_the_inputs_on_every_call():
     counts = set()
     for seed in range(5):
         x = torch.randn(6, dtype=D, generator=torch.Generator().manual_seed(seed))
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        ref = positive_part(xr)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        _grad_matches(g, positive_part, x, seed)
         counts.add(int((x > 0).sum()))
     assert len(counts) > 1
 
@@ -467,14 +456,7 @@ def test_hvp_of_a_random_selection_matches_torch_func(f):
 def test_a_selection_with_symbolic_input_sizes():
     g = fxad.grad(select_entries, torch.randn(4, 3, dtype=D), dynamic=True)
     for n in (4, 7):
-        x = torch.randn(n, 3, dtype=D)
-        torch.manual_seed(n)
-        value, (dx,) = g(x)
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(n)
-        ref = select_entries(xr)
-        torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx, torch.autograd.grad(ref, xr)[0], rtol=1e-12, atol=1e-12)
+        _grad_matches(g, select_entries, torch.randn(n, 3, dtype=D), seed=n)
 
 
 class Selected(nn.Module):
