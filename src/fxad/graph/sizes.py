@@ -39,10 +39,18 @@ from typing import Any, Callable, Iterator
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._sympy.interp import sympy_interp
 
 from ..errors import CaptureError
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.12: the hint of an unbacked size is a fixed fallback
+    from torch.fx.experimental.symbolic_shapes import size_hint as _size_hint
+
+    def optimization_hint(a: Any, fallback: int | None = None) -> int:
+        return _size_hint(a, fallback=8192 if fallback is None else fallback)
 
 __all__ = ["SYM_TYPES", "is_symbolic", "expr_of", "bind_sizes", "has_symbolic_args",
            "SizeCode", "python_source", "size_names", "known_equal", "known_one",

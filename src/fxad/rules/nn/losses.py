@@ -908,7 +908,6 @@ def _lce_chunked(w: Any, target: Any, reduction: str, label_smoothing: float,
             and label_smoothing == 0.0 and target.dtype == torch.int64 and w.dim() == 2)
 
 
-@register_vjp(F.linear_cross_entropy)
 class LinearCrossEntropy:
     """linear_cross_entropy(x, W, target, linear_bias=b, ...) = cross_entropy(linear(x, W, b)
     reshaped to (N, C, d...), target, ...).  The cotangent G of the logits is the
@@ -994,6 +993,10 @@ class LinearCrossEntropy:
         yield (randn(4, 3, dtype=dtype), randn(2, 3, 3, dtype=dtype),
                torch.tensor([[0, 1, 1], [1, 0, 0], [1, 1, 1], [0, 0, 1]])), {}
         yield (x, w, torch.softmax(randn(6, 4, dtype=dtype), 1)), {"reduction": "none"}
+
+
+if hasattr(F, "linear_cross_entropy"):  # PyTorch 2.12 and later
+    register_vjp(F.linear_cross_entropy)(LinearCrossEntropy)
 
 
 # --------------------------------------------------------------------------------------------
