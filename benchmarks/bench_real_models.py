@@ -290,8 +290,8 @@ METHODS = ("eager", "fxad", "joint", "compile")
 # --------------------------------------------------------------------------- steps
 
 
-def _autocast(bf16: bool) -> Any:
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+def _autocast(bf16: bool, device: str = "cpu") -> Any:
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
 
 
 def _release(model: nn.Module) -> None:
@@ -299,29 +299,35 @@ def _release(model: nn.Module) -> None:
         p.grad = None
 
 
-def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool) -> Step:
+def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool, device: str = "cpu",
+              lr: float = 1e-3) -> Step:
     """One training step of ``method`` on ``model`` (already copied for it): zero_grad,
-    forward, backward, SGD update.  ``step.model`` holds the parameters it trains."""
+    forward (under bfloat16 autocast of ``device``'s type when ``bf16``), backward, SGD
+    update.  ``step.model`` holds the parameters it trains.  ``joint``: a gradient of
+    another dtype than its parameter's raises TypeError (``p.grad = g`` would)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-3)
+    opt = torch.optim.SGD(params, lr=lr)
     if method in ("eager", "fxad", "compile"):
         run = model if method == "eager" else \
             fxad.compile(model) if method == "fxad" else torch.compile(model)
 
         def step() -> Any:
             opt.zero_grad(set_to_none=True)
-            with _autocast(bf16):
+            with _autocast(bf16, device):
                 loss = run(*inputs)
             loss.backward()
             opt.step()
             return loss
     elif method == "joint":
-        with _autocast(bf16):
+        with _autocast(bf16, device):
             js = fxad.joint_step(model, *inputs)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         def step() -> Any:
             loss, _, grads = js(*inputs)
+            bad = [f"{n}: {grads[n].dtype}" for n, p in named if grads[n].dtype != p.dtype]
+            if bad:
+                raise TypeError(f"joint_step gradients of another dtype: {', '.join(bad)}")
             for n, p in named:
                 p.grad = grads[n]
             opt.step()

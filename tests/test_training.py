@@ -626,3 +626,30 @@ def test_autocast_off_restores_the_flags():
     with _AutocastOff(devices):  # autocast already off: nothing to flip or restore
         assert not torch.is_autocast_enabled("cpu")
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_build_passes_run_with_autocast_off(monkeypatch):
+    """The passes after differentiation compute the dtypes of the nodes they write as the
+    code runs, with autocast off (under CUDA autocast, ``torch.sum`` of bfloat16 values
+    has a float32 fake value, and a bias gradient's cast back to float32 was then dropped
+    as redundant from ``joint_step``'s graph)."""
+    import fxad.training.capture as cap
+    import fxad.training.module as mod
+    import fxad.training.step as stp
+    seen = []
+
+    def spy(fn):
+        def run(*a, **k):
+            seen.append((fn.__name__, torch.is_autocast_enabled("cpu")))
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(cap, "sum_to_size_as_sum", spy(cap.sum_to_size_as_sum))
+    monkeypatch.setattr(mod, "partition", spy(mod.partition))
+    monkeypatch.setattr(stp, "partition", spy(stp.partition))
+    model, inputs = _gpt()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fxad.compile(copy.deepcopy(model))(*inputs).backward()
+        joint_step(copy.deepcopy(model), *inputs, compile=False)
+    assert {name for name, _ in seen} == {"sum_to_size_as_sum", "partition"}
+    assert not any(on for _, on in seen), seen

@@ -18,6 +18,7 @@ from ..naming import op_kind
 from ..rules import fused
 from ..simplify.layout import channels_last_convolutions
 from .masks import causal_masks_as_flags
+from .padding import pad_unaligned_matmuls
 from .passes import (drop_whole_writes, stack_selected_cotangents, sum_to_size_as_sum,
                      zeros_of_shape)
 
@@ -168,18 +169,26 @@ def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[t
     convolution weights channels-last (:mod:`fxad.simplify.layout`) when
     ``channels_last`` (``"casts"``: only the weights autocast casts); the rewrites of
     :mod:`fxad.training.passes` that remove work eager autograd does not do, and constant
-    causal attention masks as ``is_causal=True`` (:mod:`fxad.training.masks`).  ``dynamic_shapes``
+    causal attention masks as ``is_causal=True`` (:mod:`fxad.training.masks`); on CUDA,
+    half-precision matrix products of unaligned sizes padded (:mod:`fxad.training.padding`).
+    ``dynamic_shapes``
     (a tuple in argument order, :mod:`fxad.symbolic`): build on symbolic sizes."""
     f = _capture_for_autocast(model, inputs, leaf_modules)
+    if isinstance(f, fx.GraphModule):  # a captured graph (autocast): rules see the flag
+        with _AutocastOff(_autocast_devices()):
+            causal_masks_as_flags(f)
     with _AutocastOff(_autocast_devices()), fused.for_execution():
         g = _vjp(f, *inputs, argnums=argnums, leaf_modules=leaf_modules,
                  dynamic_shapes=dynamic_shapes, values=current_policy())
+    # the passes compute the dtypes of the nodes they write with autocast off, as the code
+    # runs (CUDA autocast would give torch.sum a float32 result: a cast then looks redundant)
     with _AutocastOff(_autocast_devices()):
         causal_masks_as_flags(g)
-    stack_selected_cotangents(g)
-    drop_whole_writes(g)
-    zeros_of_shape(g)
-    sum_to_size_as_sum(g)
-    if channels_last:
-        channels_last_convolutions(g, casts_only=channels_last == "casts")
+        pad_unaligned_matmuls(g)
+        stack_selected_cotangents(g)
+        drop_whole_writes(g)
+        zeros_of_shape(g)
+        sum_to_size_as_sum(g)
+        if channels_last:
+            channels_last_convolutions(g, casts_only=channels_last == "casts")
     return g

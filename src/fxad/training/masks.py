@@ -11,8 +11,10 @@ diagonal.
 
 :func:`causal_masks_as_flags` finds the attention calls (``F.scaled_dot_product_attention``,
 PyTorch's CPU flash-attention forward ``_scaled_dot_product_flash_attention_for_cpu`` and
-its backward) whose ``attn_mask`` is computed only from constants: every node it depends on
-is a pure, deterministic call (no placeholder, parameter, buffer, module call, random draw,
+its backward, the CUDA memory-efficient forward
+``_scaled_dot_product_efficient_attention`` and its backward, whose mask is their
+``attn_bias``) whose ``attn_mask`` is computed only from constants: every node it depends
+on is a pure, deterministic call (no placeholder, parameter, buffer, module call, random draw,
 uninitialized memory, in-place method or side effect), so that its value is the same on
 every call of the built code.  It evaluates that mask once, at build time, and where the
 value is exactly SDPA's causal pattern for the call's ``(L, S)`` = (query length, key
@@ -25,10 +27,14 @@ masked and causal kernels agree; gradients are checked against autograd in
 kernel and its backward are rewritten together, since the backward kernel reads the
 forward's logsumexp); the mask's constant subgraph, then unread, is erased.  Anything else
 (a mask depending on an input, a non-causal constant mask, ``-1e9`` in place of ``-inf``)
-is left as it is.
+is left as it is.  Where the training bridge captures the program before differentiating
+it (under autocast), the pass also runs on the captured graph first, so that the rules see
+``is_causal=True`` without a mask and pick the kernels for that (on CUDA in half
+precision: flash attention, which takes no mask).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,11 +52,15 @@ MAX_MASK_ELEMENTS = 1 << 24
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                "enable_gqa")
 _KERNELS = ("_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention_for_cpu_backward")
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_efficient_attention_backward")
 
 
 def _kernel_overloads() -> dict[Any, tuple[str, ...]]:
-    """The CPU flash kernels of this torch (packet and default overload) -> argument names."""
+    """The attention kernels of this torch that take a mask (packet and default overload)
+    -> argument names (the CUDA memory-efficient kernels' ``attn_bias`` named
+    ``attn_mask`` here, as the other kernels name it)."""
     out: dict[Any, tuple[str, ...]] = {}
     for name in _KERNELS:
         packet = getattr(torch.ops.aten, name, None)
@@ -58,7 +68,8 @@ def _kernel_overloads() -> dict[Any, tuple[str, ...]]:
             schema = packet.default._schema  # type: ignore[union-attr]
         except (AttributeError, RuntimeError):
             continue
-        names = tuple(a.name for a in schema.arguments)
+        names = tuple("attn_mask" if a.name == "attn_bias" else a.name
+                      for a in schema.arguments)
         if "attn_mask" in names and "is_causal" in names:
             out[packet] = names
             out[packet.default] = names  # type: ignore[union-attr]
@@ -80,6 +91,8 @@ def _argument_names(n: fx.Node) -> tuple[str, ...] | None:
 def _arg(n: fx.Node, names: tuple[str, ...], name: str, default: Any = None) -> Any:
     if name in n.kwargs:
         return n.kwargs[name]
+    if name == "attn_mask" and "attn_bias" in n.kwargs:
+        return n.kwargs["attn_bias"]
     i = names.index(name)
     return n.args[i] if i < len(n.args) else default
 
@@ -100,6 +113,21 @@ def _constant_subgraph(mask: fx.Node) -> list[fx.Node] | None:
         stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
+
+
+def _stored_elements(t: torch.Tensor) -> int:
+    """The elements ``t`` holds in memory: its size without the dimensions it repeats by
+    a zero stride (a mask expanded to ``(B, H, L, S)`` holds ``L * S``)."""
+    return math.prod(n for n, st in zip(t.shape, t.stride()) if st != 0)
+
+
+def _unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each dimension it repeats by a zero stride narrowed to one element (the
+    same pattern, broadcast)."""
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        if st == 0 and n > 1:
+            t = t.narrow(d, 0, 1)
+    return t
 
 
 def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> Any:
@@ -160,8 +188,9 @@ def _as_causal(n: fx.Node, names: tuple[str, ...]) -> None:
     """Drop ``n``'s ``attn_mask`` and set its ``is_causal`` to True."""
     args, kwargs = list(n.args), dict(n.kwargs)
     i_mask, i_causal = names.index("attn_mask"), names.index("is_causal")
-    if "attn_mask" in kwargs:
-        del kwargs["attn_mask"]
+    if "attn_mask" in kwargs or "attn_bias" in kwargs:
+        kwargs.pop("attn_mask", None)
+        kwargs.pop("attn_bias", None)
     elif i_mask < len(args):
         args[i_mask] = None
     if "is_causal" in kwargs or i_causal >= len(args):
@@ -189,7 +218,7 @@ def causal_masks_as_flags(gm: fx.GraphModule) -> int:
     for mask, calls in readers.items():
         # every attention call reading the mask qualifies, or none is rewritten
         mv = mask.meta.get("val")
-        if not isinstance(mv, torch.Tensor) or mv.numel() > MAX_MASK_ELEMENTS:
+        if not isinstance(mv, torch.Tensor) or _stored_elements(mv) > MAX_MASK_ELEMENTS:
             continue
         nodes = _constant_subgraph(mask)
         if nodes is None:
@@ -198,6 +227,7 @@ def causal_masks_as_flags(gm: fx.GraphModule) -> int:
         if not isinstance(value, torch.Tensor) or value.shape != mv.shape \
                 or value.dtype != mv.dtype:
             continue
+        value = _unexpanded(value)
         if not all(_qualifies(n, names, value) for n, names in calls):
             continue
         for n, names in calls:

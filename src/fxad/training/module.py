@@ -22,7 +22,8 @@ from ..residuals import Checkpoint, Partition, Policy, partition, split_backward
 from ..simplify.calls import cast_methods
 from ..simplify.inplace import accumulate_in_place
 from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
-from .capture import _onednn_enabled, _vjp_graph, autocast_state
+from .capture import (_autocast_devices, _AutocastOff, _onednn_enabled, _vjp_graph,
+                      autocast_state)
 from .edited import EditedModule
 from .passes import accumulate_into_reshaped, activations_in_place, write_fresh_in_place
 
@@ -265,13 +266,14 @@ class FxadModule(torch.nn.Module):
         with value_policy(self.values):
             g = _vjp_graph(self._callee(), inputs, argnums, self.leaf_modules, layout,
                            dynamic_shapes=dynamic_shapes)
-        part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
-        accumulate_in_place(part.bwd_gm)  # run once, never transformed again
-        accumulate_into_reshaped(part.bwd_gm)
-        write_fresh_in_place(part.bwd_gm)
-        activations_in_place(part.fwd_gm)
-        cast_methods(part.fwd_gm)
-        cast_methods(part.bwd_gm)
+        with _AutocastOff(_autocast_devices()):  # node dtypes as the code runs
+            part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
+            accumulate_in_place(part.bwd_gm)  # run once, never transformed again
+            accumulate_into_reshaped(part.bwd_gm)
+            write_fresh_in_place(part.bwd_gm)
+            activations_in_place(part.fwd_gm)
+            cast_methods(part.fwd_gm)
+            cast_methods(part.bwd_gm)
         p = _Plan(part, len(inputs), g)
         p.dynamic_shapes = dynamic_shapes  # a rebuild for other values keeps them
         how = self._stage_units(p)

@@ -171,11 +171,12 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if not (isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()):
         raise InputError("fxad.joint_step needs a model whose output is one floating-point "
                          "scalar (the loss); use fxad.compile or fxad.vjp for other outputs")
-    part = partition(v, policy, checkpoint=checkpoint)
-    g = joint_graph(part, with_params=len(out) > 2)
     backend = (compile if isinstance(compile, str) else "inductor") if compile else None
-    if defer_widening_output_casts(g.graph, grouped=backend == "inductor"):
-        g.recompile()
+    with _AutocastOff(devices):  # node dtypes as the code runs
+        part = partition(v, policy, checkpoint=checkpoint)
+        g = joint_graph(part, with_params=len(out) > 2)
+        if defer_widening_output_casts(g.graph, grouped=backend == "inductor"):
+            g.recompile()
     fn: Callable = g.forward
     if backend is not None:
         if backend == "inductor" and "options" not in compile_kwargs \

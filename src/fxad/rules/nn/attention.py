@@ -12,7 +12,12 @@ differ for a masked attention: :func:`fxad.vjp` shows the formulas of
 :class:`ScaledDotProductAttention`, the training code calls the kernels
 (:class:`ScaledDotProductAttentionFusedMask`); there, a mask computed from constants alone
 that is exactly the causal pattern (transformers' decoders build one under capture) becomes
-``is_causal=True`` without a mask (:mod:`fxad.training.masks`).  With ``dropout_p > 0``
+``is_causal=True`` without a mask (:mod:`fxad.training.masks`).  On CUDA the rules call
+PyTorch's CUDA flash attention (half precision, no mask) or memory-efficient attention
+(float32, or a mask as its additive bias) forward and backward, as eager SDPA picks them
+(:class:`ScaledDotProductAttentionCudaFlash`, :class:`ScaledDotProductAttentionCudaEfficient`:
+the kernel eager's dispatch picks, flash where it picks cuDNN attention).
+With ``dropout_p > 0``
 both forms write the probabilities out (:class:`ScaledDotProductAttentionDropout`), as eager
 PyTorch's CPU dispatch runs its math reference with dropout.  Configurations the rule cannot
 differentiate exactly raise :class:`~fxad.errors.RuleError` naming what to change.
@@ -24,7 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .. import fused
 from .._base import guard_layout, randn, _add
 from ..registry import needs_cotangent, register_vjp
 from ._common import _bound
@@ -371,3 +378,219 @@ class ScaledDotProductAttentionFusedMask:
         yield (q, k, v, randn(2, 3, 4, 4, dtype=dtype)), {}
         yield (q, randn(2, 3, 6, 5, dtype=dtype), randn(2, 3, 6, 5, dtype=dtype),
                randn(3, 1, 6, dtype=dtype)), {}
+
+
+# --- CUDA: PyTorch's flash and memory-efficient attention kernels ---------------------------
+
+
+#: device types the CUDA kernels serve (a test runs the rules' code on another device)
+CUDA_DEVICE_TYPES = ("cuda",)
+
+
+def _capability(device: Any) -> tuple[int, int]:
+    """The compute capability of the GPU ``device`` (``torch.cuda.get_device_capability``)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def _cuda_shapes_ok(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """PyTorch's CUDA attention kernels apply (the conditions of PyTorch's CUDA dispatch,
+    ``sdp_utils.cpp``, kept to the common case): 4-D CUDA inputs of one floating dtype
+    (float16, bfloat16, float32), equal batch and heads, equal query and key head sizes,
+    head sizes a multiple of 8, unit stride in the last dimension, no empty sequence."""
+    return (not enable_gqa and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and all(t.device.type in CUDA_DEVICE_TYPES for t in (q, k, v))
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and q.dtype == k.dtype == v.dtype
+            and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] == k.shape[1] == v.shape[1]
+            and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]
+            and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+            and min(q.shape[-2], k.shape[-2]) > 0
+            and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def _cuda_flash_ok(q: Any, k: Any, v: Any, is_causal: bool) -> bool:
+    """PyTorch's CUDA flash attention (FlashAttention-2) applies: float16 or bfloat16,
+    equal head sizes of at most 256, a square causal mask (the kernel aligns a causal mask
+    bottom-right where SDPA aligns it top-left), a GPU of compute capability 8.0 or later,
+    and the backend not switched off (``torch.backends.cuda.enable_flash_sdp``)."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
+            and q.shape[-1] <= 256 and (not is_causal or q.shape[-2] == k.shape[-2])
+            and torch.backends.cuda.flash_sdp_enabled()
+            and _capability(q.device) >= (8, 0))
+
+
+# torch.nn.attention.SDPBackend's values
+_FLASH, _EFFICIENT, _CUDNN = 1, 2, 3
+
+
+def _eager_choice(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
+                  enable_gqa: bool) -> int:
+    """The backend eager SDPA picks for these inputs (``torch._fused_sdp_choice``, which
+    follows the backend switches and ``torch.nn.attention.sdpa_kernel``), asked with
+    stand-ins of the inputs (:func:`_stand_in`), or -1 where it cannot say."""
+    try:
+        with unset_fake_temporarily(), torch._C.DisableTorchFunction():
+            args = [None if t is None else _stand_in(t) for t in (q, k, v, mask)]
+            return int(torch._fused_sdp_choice(*args, 0.0, bool(is_causal), scale=scale,
+                                               enable_gqa=bool(enable_gqa)))
+    except Exception:  # noqa: BLE001 - another torch, or sizes it cannot read
+        return -1
+
+
+def _stand_in(t: Any) -> torch.Tensor:
+    """An uninitialized tensor with ``t``'s sizes, strides, dtype and device (a fake value
+    at capture has no storage, and the choice reads metadata only), requiring grad as the
+    inputs of a derivative do."""
+    shape, stride = [int(n) for n in t.shape], [int(n) for n in t.stride()]
+    x = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    return x.requires_grad_(t.is_floating_point())
+
+
+def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
+                 enable_gqa: bool) -> str | None:
+    """The CUDA kernel the rules call for these inputs (read from their fake values at
+    capture): ``"flash"`` where eager picks flash or cuDNN attention (no mask) and
+    :func:`_cuda_flash_ok` holds, else ``"efficient"`` where eager picks a fused kernel;
+    None where eager runs the math reference or :func:`_cuda_shapes_ok` does not hold (the
+    formulas of :class:`ScaledDotProductAttention`).  Where eager picks cuDNN attention
+    (PyTorch 2.11 on an H200 does for half-precision causal attention), the rules call
+    flash attention, which computes the same function: cuDNN attention's backward called
+    from here gave gradients that differed from eager's by more than bfloat16 rounding
+    (``tests/test_cuda.py``, 2026-11-26), so it is not used."""
+    if not _cuda_shapes_ok(q, k, v, enable_gqa):
+        return None
+    choice = _eager_choice(q, k, v, mask, is_causal, scale, enable_gqa)
+    if mask is None and choice in (_FLASH, _CUDNN, -1) and _cuda_flash_ok(q, k, v, is_causal):
+        return "flash"
+    if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) \
+            and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return "efficient"
+    return None
+
+
+def _cuda_forward(kernel: str, q: Any, k: Any, v: Any, bias: Any, is_causal: bool,
+                  scale: Any) -> tuple[Any, tuple]:
+    """The kernel's forward: its output and what its backward reads (logsumexp and the
+    random-state outputs, saved as autograd saves them)."""
+    if kernel == "flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal, False, scale=scale)
+        return res[0], (res[1], res[6], res[7])
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, is_causal, scale=scale)
+    return out, (lse, seed, offset)
+
+
+def _cuda_backward(kernel: str, d: Any, q: Any, k: Any, v: Any, out: Any, saved: tuple,
+                   bias: Any, is_causal: bool, scale: Any) -> tuple[Any, Any, Any]:
+    """The kernel's fused backward: the cotangents of q, k and v (derivatives.yaml
+    ``_scaled_dot_product_{flash,efficient}_attention``)."""
+    lse, seed, offset = saved
+    if d.stride(-1) != 1:  # the kernels read the cotangent's last dimension as contiguous
+        d = d.contiguous()
+    L, S = q.shape[-2], k.shape[-2]
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d, q, k, v, out, lse, None, None, L, S, 0.0, is_causal, seed, offset, scale=scale)
+    d_q, d_k, d_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        d, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
+        scale=scale)
+    return d_q, d_k, d_v
+
+
+def _efficient_bias(mask: Any, q: Any, k: Any) -> Any:
+    """``mask`` as the memory-efficient kernels take it (what eager SDPA's
+    ``preprocess_mask`` does): additive of the query's dtype, expanded to
+    ``(B, H, L, S)``; where the key length is not a multiple of 16 the bias is padded to
+    one and sliced back, so that its rows start at aligned addresses."""
+    bias = _flash_mask(mask, q.dtype)
+    if bias.dim() == 2:
+        bias = bias.unsqueeze(0).unsqueeze(0)
+    S = k.shape[-2]
+    if S % 16 != 0:
+        bias = F.pad(bias, (0, 16 - S % 16))[..., :S]
+    return bias.expand(q.shape[0], q.shape[1], q.shape[-2], S)
+
+
+def _no_mask_kernel(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+                    is_causal: bool, scale: Any, enable_gqa: bool) -> str | None:
+    if dropout_p > 0.0 or attn_mask is not None:
+        return None
+    return _cuda_kernel(query, key, value, None, is_causal, scale, enable_gqa)
+
+
+@register_vjp(F.scaled_dot_product_attention)
+class ScaledDotProductAttentionCudaFlash:
+    """Without dropout or mask (``is_causal`` allowed), for 4-D half-precision CUDA inputs
+    where eager SDPA runs flash or cuDNN attention (:func:`_cuda_kernel`): PyTorch's CUDA
+    FlashAttention-2 forward, its logsumexp and random-state outputs saved for its fused
+    backward (derivatives.yaml ``_scaled_dot_product_flash_attention``)."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+    fused = True
+
+    def applies(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        return _no_mask_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa) == "flash"
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        out, saved = _cuda_forward("flash", query, key, value, None, bool(is_causal), scale)
+        _guard_unit_stride(query, key, value)
+        return out, (query, key, value, out, saved, bool(is_causal), scale)
+
+    def bwd(aux, d):
+        q, k, v, out, saved, is_causal, scale = aux
+        return (*_cuda_backward("flash", d, q, k, v, out, saved, None, is_causal, scale), None)
+
+    jvp = ScaledDotProductAttention.jvp
+
+
+@register_vjp(F.scaled_dot_product_attention)
+class ScaledDotProductAttentionCudaEfficient:
+    """Without dropout, for 4-D CUDA inputs where eager SDPA runs a fused kernel and flash
+    attention does not apply (float32, a mask, a causal mask with L != S):
+    PyTorch's CUDA memory-efficient attention, a mask as its additive bias
+    (:func:`_efficient_bias`, as eager SDPA prepares it), the logsumexp saved for its
+    fused backward (derivatives.yaml ``_scaled_dot_product_efficient_attention``).  A
+    floating mask whose cotangent is needed gets the math backward, as
+    :class:`ScaledDotProductAttentionFusedMask`.  Fused level ``True`` without a mask;
+    with a mask only at level ``"all"`` (code built to run): :func:`fxad.vjp` keeps the
+    formulas there, as on the CPU."""
+
+    residuals = "inputs+output+intermediates"
+    recompute = False
+    fused = True
+
+    def applies(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        if dropout_p > 0.0:
+            return False
+        if attn_mask is not None:
+            if not (fused.enabled("all") and 2 <= attn_mask.dim() <= 4
+                    and attn_mask.device.type in CUDA_DEVICE_TYPES
+                    and (attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype)):
+                return False
+        return _cuda_kernel(query, key, value, attn_mask, is_causal, scale,
+                            enable_gqa) == "efficient"
+
+    def fwd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        bias = None if attn_mask is None else _efficient_bias(attn_mask, query, key)
+        out, saved = _cuda_forward("efficient", query, key, value, bias, bool(is_causal), scale)
+        _guard_unit_stride(query, key, value)
+        return out, (query, key, value, out, saved, attn_mask, bias, bool(is_causal), scale)
+
+    def bwd(aux, d):
+        q, k, v, out, saved, attn_mask, bias, is_causal, scale = aux
+        if attn_mask is not None and attn_mask.dtype != torch.bool \
+                and needs_cotangent("attn_mask"):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            p = _sdpa_scores(q, k, attn_mask, is_causal, scale)
+            return _sdpa_scores_vjp(q, k, attn_mask, p, p.mT @ d, d @ v.mT, scale, 1)
+        return (*_cuda_backward("efficient", d, q, k, v, out, saved, bias, is_causal, scale),
+                None)
+
+    jvp = ScaledDotProductAttention.jvp
