@@ -96,3 +96,24 @@ def test_pass_values_equal_the_unpadded_product(pad_on_cpu):
         assert x.shape == y.shape
         torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-2)
     assert "pad(" in gm.code and "narrow(" in gm.code
+
+
+def test_a_returned_product_stays_contiguous(pad_on_cpu):
+    """A padded product the program returns (logits) is handed back contiguous, as eager
+    returns it, so that the caller's ``.view`` works."""
+    torch.manual_seed(0)
+    w = torch.randn(50, 24, dtype=BF16)
+
+    def f(x, w):
+        logits = F.linear(x, w)
+        return logits, torch.tanh(logits).sum()
+
+    x = torch.randn(4, 24, dtype=BF16)
+    gm = fxad.trace(f, x, w)
+    want = gm(x, w)
+    assert padding.pad_unaligned_matmuls(gm) == 1
+    logits, total = gm(x, w)
+    assert logits.is_contiguous() and logits.view(-1).shape == (200,)
+    torch.testing.assert_close(logits, want[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(total, want[1], rtol=1e-2, atol=1e-1)
+    assert "contiguous()" in gm.code and "tanh(narrow" in gm.code.replace(" ", "")

@@ -279,3 +279,25 @@ def test_custom_function_and_scan_on_symbolic_sizes():
             x = torch.randn(shape, dtype=D)
             xr = x.clone().requires_grad_()
             torch.testing.assert_close(d(x)[1][0], torch.autograd.grad(fn(xr), xr)[0])
+
+
+def test_build_through_the_python_dispatcher(monkeypatch):
+    """Where a torch's C++ composite operators would fix symbolic sizes (PyTorch 2.11's
+    ``matmul`` of a 3-D by a 2-D tensor), the build runs under PyTorch's Python dispatcher:
+    the code stays generic over the sizes and matches autograd at other sizes."""
+    import fxad.symbolic as symbolic
+    monkeypatch.setattr(symbolic, "composites_fix_sizes", lambda: True)
+
+    def f(x, w, b):
+        return ((x @ w + b).tanh() * torch.arange(x.shape[1], dtype=x.dtype)[:, None]).mean()
+
+    w, b = torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D)
+    g = fxad.grad(f, torch.randn(2, 5, 3, dtype=D), w, b, dynamic=True)
+    assert "torch.arange(x_size_1" in g.code
+    for shape in [(1, 7, 3), (4, 9, 3)]:
+        x = torch.randn(shape, dtype=D)
+        args = [a.clone().requires_grad_() for a in (x, w, b)]
+        want = torch.autograd.grad(f(*args), args)
+        _, got = g(x, w, b)
+        for a, r in zip(got, want):
+            torch.testing.assert_close(a, r)

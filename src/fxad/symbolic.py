@@ -39,6 +39,7 @@ Vocabulary (PyTorch's):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.fx.experimental._config as _shape_config
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode,
@@ -81,6 +83,26 @@ class _DimSpec:
     low: int | None = None
     high: int | None = None
     symbol: Any = None
+
+
+@functools.cache
+def composites_fix_sizes() -> bool:
+    """Whether this torch's C++ composite operators read symbolic sizes as integers:
+    ``torch.matmul`` of a 3-D by a 2-D tensor does in PyTorch 2.11 (it folds the batch
+    dimensions with ``sizes()``), which made every size of such a program static.  Asked
+    once, by running that product on a symbolic fake tensor: True where it fails or its
+    result's batch size is no longer symbolic."""
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 3)
+    try:
+        a = mode.from_tensor(torch.empty(2, 5, 3), symbolic_context=ctx)
+        b = mode.from_tensor(torch.empty(3, 4), static_shapes=True)
+        with torch._C.DisableTorchFunction(), mode:
+            out = torch.matmul(a, b)
+        return not is_symbolic(out.shape[0])
+    except Exception:  # noqa: BLE001 - "Cannot call numel() on tensor with symbolic sizes"
+        return True
 
 
 def wants_symbolic(dynamic: Any, dynamic_shapes: Any) -> bool:
@@ -175,10 +197,14 @@ class ShapePlan:
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
         """The build runs in here: the fake mode with the ShapeEnv, size-oblivious decisions
-        inside PyTorch's operators, size names for the generated code."""
+        inside PyTorch's operators, size names for the generated code; where this torch's
+        C++ composite operators would fix symbolic sizes (:func:`composites_fix_sizes`),
+        PyTorch's Python dispatcher, which runs them as their Python decompositions."""
         with _shape_config.patch(backed_size_oblivious=self.oblivious), \
                 memoized(self.env), symbolic_shapes(self.mode), \
-                size_names(self.symbol_names), warnings.catch_warnings():
+                size_names(self.symbol_names), warnings.catch_warnings(), \
+                (enable_python_dispatcher() if composites_fix_sizes()
+                 else contextlib.nullcontext()):
             # sizes sit in node arguments until fxad.graph.sizes.bind_sizes writes them as
             # code, which torch.fx (rightly, in general) warns about
             warnings.filterwarnings("ignore", message="Raw Sym")

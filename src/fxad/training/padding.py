@@ -119,14 +119,34 @@ def _is_transpose(n: fx.Node) -> bool:
     return n.target is torch.t and len(n.args) == 1
 
 
+def _needs_layout(user: fx.Node) -> bool:
+    """``user`` depends on the layout of what it reads, not only on its values: the graph's
+    output (the caller's tensors, contiguous as eager returns them), a layout guard of the
+    rules (:func:`fxad.rules._base.expect_layout`), ``view`` / ``as_strided``."""
+    if user.op == "output":
+        return True
+    if user.op == "call_method":
+        return user.target in ("view", "as_strided")
+    return user.op == "call_function" and (
+        user.target is torch.as_strided
+        or getattr(user.target, "__name__", "") == "expect_layout")
+
+
 def _narrow(p: _Padder, n: fx.Node, out_dims: list[tuple[int, int]]) -> None:
-    """Replace the uses of the product ``n`` (now computed padded) by its narrowed view."""
+    """Replace the uses of the product ``n`` (now computed padded) by its narrowed view (a
+    contiguous copy of it for the users of :func:`_needs_layout`)."""
     users = list(n.users)
     last = n
     for dim, size in out_dims:
         last = p._node(last, "narrow", (last, dim, 0, size), n, kind="call_method")
+    dense = None
     for u in users:
-        u.replace_input_with(n, last)
+        if _needs_layout(u) and not _val(last).is_contiguous():
+            if dense is None:
+                dense = p._node(last, "contiguous", (last,), n, kind="call_method")
+            u.replace_input_with(n, dense)
+        else:
+            u.replace_input_with(n, last)
 
 
 def pad_unaligned_matmuls(gm: fx.GraphModule) -> int:
