@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ...graph.sizes import size_hint
 from .. import fused
 from .._base import guard_layout, randn, _add
 from ..registry import needs_cotangent, register_vjp
@@ -441,7 +442,8 @@ def _stand_in(t: Any) -> torch.Tensor:
     """An uninitialized tensor with ``t``'s sizes, strides, dtype and device (a fake value
     at capture has no storage, and the choice reads metadata only), requiring grad as the
     inputs of a derivative do."""
-    shape, stride = [int(n) for n in t.shape], [int(n) for n in t.stride()]
+    # the example's sizes, without a guard (a symbolic build stays symbolic)
+    shape, stride = [size_hint(n) for n in t.shape], [size_hint(n) for n in t.stride()]
     x = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     return x.requires_grad_(t.is_floating_point())
 
