@@ -192,3 +192,99 @@ def test_a_hook_registered_or_removed_after_compile_builds_again():
     got, want = _step(cm, x), _step(m, x)
     torch.testing.assert_close(got[1], want[1])
     assert len(cm.builds) == 2  # back to the first build's hooks: its build again
+
+
+class Gated(nn.Module):
+    """Reads ``k`` only where ``use_k`` is set; writes ``calls``; never reads ``step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.use_k, self.k, self.step, self.calls = False, 2.0, 0, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.use_k:
+            h = h * self.k
+        self.calls = 1  # written, not read
+        return torch.tanh(h).sum()
+
+
+def test_attributes_the_code_never_read_need_no_build():
+    """Only the attributes a build's capture read decide it: a step counter a trainer sets,
+    an attribute the code only writes, and one read only in a branch not taken change
+    nothing; reading it later (the branch taken) makes it count."""
+    torch.manual_seed(0)
+    m, x = Gated(), torch.randn(3, 4, dtype=DT)
+    cm = fxad.compile(m, x)
+    for step in range(VALUE_BUILDS_WARN + 2):
+        m.step = step
+        m.k = 2.0 + step  # read only under use_k, which is False
+        got, want = _step(cm, x), _step(m, x)
+        torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 1
+    m.use_k = True  # read at the first build: builds again, and reads k
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[1], want[1])
+    m.k = 5.0  # now read by a build: builds again
+    got, want = _step(cm, x), _step(m, x)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert len(cm.builds) == 3
+    assert cm.builds[1].reason.startswith("module attributes changed: use_k (False -> True)")
+    assert cm.builds[2].reason.startswith(
+        f"module attributes changed: k ({2.0 + VALUE_BUILDS_WARN + 1!r} -> 5.0)")
+
+
+def test_code_reading_its_dict_counts_every_attribute():
+    class Vars(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, dtype=DT))
+            self.k = 1.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.w * vars(self)["k"]).sum()
+
+    m, x = Vars(), torch.randn(3, dtype=DT)
+    cm = fxad.compile(m, x)
+    cm(x)
+    m.k = 5.0
+    torch.testing.assert_close(cm(x), m(x))
+    assert len(cm.builds) == 2
+
+
+def test_recording_reads_puts_the_classes_back():
+    from fxad.capture.module_state import recording_reads
+
+    m = Gated()
+    with pytest.raises(RuntimeError):
+        with recording_reads(list(m.modules())) as reads:
+            m.use_k
+            raise RuntimeError
+    assert "__getattribute__" not in Gated.__dict__ and "__getattribute__" not in nn.Linear.__dict__
+    assert "use_k" in reads[id(m)] and "step" not in reads[id(m)]
+
+
+def test_a_build_is_keyed_by_the_values_its_capture_started_from():
+    """``forward`` reads a flag and clears it (a one-time warm-up): the first build is for
+    the flag set, the next call (flag clear) builds again, as eager takes the other path."""
+    class WarmUp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, dtype=DT))
+            self.first = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * self.w
+            if self.first:
+                y = y * 2
+                self.first = False
+            return y.sum()
+
+    x = torch.randn(3, dtype=DT)
+    m, ref = WarmUp(), WarmUp()
+    cm = fxad.compile(m)
+    for _ in range(3):
+        torch.testing.assert_close(cm(x), ref(x))
+    assert len(cm.builds) == 2

@@ -5,17 +5,26 @@ The program runs on the user's module, and may assign to its attributes
 value.  :func:`module_state` notes every tensor the modules hold before capture,
 :func:`restore_module_state` puts them back after, and :func:`warn_rebound` says where the
 generated code therefore differs from eager PyTorch.
+
+The code of a build is specialized on the modules' plain Python attributes:
+:class:`Settings` versions them for ``fxad.compile``, checked on every call, and
+:func:`recording_reads` notes which attributes the code read while a build was captured,
+so that an attribute no build read (a trainer's step counter) is not compared.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import enum
 import operator
+import os
+import sys
 import types
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -152,38 +161,57 @@ def _global_hooks() -> list[dict]:
             if isinstance(d, dict)]
 
 
-def python_settings(mods: list[torch.nn.Module]) -> tuple:
+def python_settings(mods: list[torch.nn.Module], relevant: dict | None = None) -> tuple:
     """The plain Python values the code of the modules ``mods`` may decide on, as a
     hashable tuple: every attribute of each module holding a number, bool, string, ``None``,
     dtype, device or enum, or a short tuple, list, set or dict of those (``self.scale``,
     ``self.use_relu``), and the same of every configuration object a module attribute holds
     (transformers' ``self.config``, a dataclass, a namespace: :func:`_holds_settings`), each
-    once."""
+    once.  ``relevant`` (:attr:`Settings.relevant`): of a module's own attributes, only
+    those its code read while a build was captured."""
+    return _kept(_settings(mods), mods, relevant)
+
+
+def _kept(entries: list, mods: list[torch.nn.Module], relevant: dict | None) -> tuple:
+    """:func:`python_settings` from the entries of :func:`_settings`: a module's own
+    attributes only where its code read them (``relevant``)."""
     return tuple((i, name, f if kind == "attr" else ("object", f))
-                 for i, name, kind, f in _settings(mods))
+                 for i, name, kind, f, own in entries
+                 if not own or _read(relevant, mods[i], name))
 
 
-def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any]]:
+def _read(relevant: dict | None, m: torch.nn.Module, name: str) -> bool:
+    """Whether the code of ``m`` read its attribute ``name`` while some build was captured
+    (every attribute counts where that is not known)."""
+    names = None if relevant is None else relevant.get(id(m))
+    return names is None or name in names
+
+
+def _settings(mods: list[torch.nn.Module]) -> list[tuple[int, str, str, Any, bool]]:
+    """``(module index, name, kind, frozen value, own)`` of every setting; ``own``: a plain
+    value in the module's ``__dict__`` (compared only where read, :func:`_kept`)."""
     out: list = []
     seen: set[int] = set()
     for i, m in enumerate(mods):
-        for name, v in [*m.__dict__.items(), *m._buffers.items()]:
-            if name in _MODULE_INTERNALS:
-                continue
-            f = _frozen(v)
-            if f is not _SKIP:
-                out.append((i, name, "attr", f))
-            elif _holds_settings(v) and id(v) not in seen:
-                seen.add(id(v))
-                out.append((i, name, "object", tuple(
-                    (k, g) for k, x in vars(v).items() if (g := _frozen(x)) is not _SKIP)))
+        for own, items in ((True, m.__dict__.items()), (False, m._buffers.items())):
+            for name, v in items:
+                if name in _MODULE_INTERNALS:
+                    continue
+                f = _frozen(v)
+                if f is not _SKIP:
+                    out.append((i, name, "attr", f, own))
+                elif _holds_settings(v) and id(v) not in seen:
+                    seen.add(id(v))
+                    out.append((i, name, "object", tuple(
+                        (k, g) for k, x in vars(v).items() if (g := _frozen(x)) is not _SKIP),
+                        False))
         for name in _HOOKS:
             d = getattr(m, name, None)
             if d:  # a hook registered on it (by handle: handles are never reused)
-                out.append((i, name, "attr", ("hooks", tuple(d))))
+                out.append((i, name, "attr", ("hooks", tuple(d)), False))
     for k, d in enumerate(_global_hooks()):
         if d:
-            out.append((-1, f"global{_HOOKS[k]}", "attr", ("hooks", tuple(d))))
+            out.append((-1, f"global{_HOOKS[k]}", "attr", ("hooks", tuple(d)), False))
     return out
 
 
@@ -213,11 +241,40 @@ class Settings:
         self._watch: list = []
         self._hooks: list[tuple[dict, tuple]] = []
         self._current = -1
+        #: by ``id(module)``: the attributes of its own its code read while builds were
+        #: captured (:func:`recording_reads`); a module missing, or None: every attribute
+        #: (before the first build, and for code whose reads cannot be recorded)
+        self.relevant: dict[int, frozenset | None] | None = None
+
+    def learn(self, reads: dict[int, set | None]) -> bool:
+        """Add the attribute reads of one build (:func:`recording_reads`); returns whether
+        the attributes compared changed (the versions are then computed anew)."""
+        new = dict(self.relevant or {})
+        for mid, names in reads.items():
+            old = new.get(mid, frozenset()) if self.relevant is not None else frozenset()
+            new[mid] = None if names is None or old is None else old | frozenset(names)
+        if new == self.relevant:
+            return False
+        self.relevant = new
+        self._mods = None
+        return True
+
+    def snapshot(self, mods: list[torch.nn.Module]) -> list:
+        """Every setting's value now (before a capture, which may change some), for
+        :meth:`version_of` once the capture's reads are known."""
+        return _settings(mods)
+
+    def version_of(self, snapshot: list, mods: list[torch.nn.Module]) -> int:
+        """The version the values of ``snapshot`` have under the attributes compared now."""
+        frozen = _kept(snapshot, mods, self.relevant)
+        v = self._ids.setdefault(frozen, len(self._ids))
+        self.frozen[v] = frozen
+        return v
 
     def version(self, mods: list[torch.nn.Module]) -> int:
         if mods is self._mods and self._same():
             return self._current
-        frozen = python_settings(mods)
+        frozen = python_settings(mods, self.relevant)
         self._current = self._ids.setdefault(frozen, len(self._ids))
         self.frozen[self._current] = frozen
         self._mods = mods
@@ -226,16 +283,17 @@ class Settings:
                        + _global_hooks()]
         self._watch = []
         seen: set[int] = set()
-        dicts = [(m.__dict__, _MODULE_INTERNALS) for m in mods] + [
-            (m._buffers, frozenset()) for m in mods] + [
-            (vars(v), frozenset()) for m in mods for v in m.__dict__.values()
+        dicts = [(m.__dict__, _MODULE_INTERNALS, m) for m in mods] + [
+            (m._buffers, frozenset(), None) for m in mods] + [
+            (vars(v), frozenset(), None) for m in mods for v in m.__dict__.values()
             if _holds_settings(v)]
-        for d, internal in dicts:
+        for d, internal, owner in dicts:
             if id(d) in seen:
                 continue
             seen.add(id(d))
             plain = [(k, v) for k, v in d.items()
-                     if k not in internal and _frozen(v) is not _SKIP]
+                     if k not in internal and _frozen(v) is not _SKIP
+                     and (owner is None or _read(self.relevant, owner, k))]
             self._watch.append((d, len(d), tuple(k for k, _ in plain), tuple(v for _, v in plain),
                                 [(k, copy.deepcopy(v)) for k, v in plain
                                  if isinstance(v, (list, dict, set))]))
@@ -252,13 +310,81 @@ class Settings:
         return True
 
 
+# torch's and fxad's own code reads modules' __dict__ (hooks, state), which is not the program's
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+_READS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxad_reads", default=None)
+
+
+def _recorder(cls: type) -> Any:
+    """A ``__getattribute__`` for ``cls`` that notes, while :func:`recording_reads` runs,
+    each read of an attribute an instance holds in its own ``__dict__`` (a read of
+    ``__dict__`` itself: every attribute)."""
+    def __getattribute__(self: Any, name: str) -> Any:
+        reads = _READS.get()
+        if reads is not None:
+            names = reads.get(id(self), _SKIP)
+            if names is not _SKIP and names is not None:
+                if name == "__dict__":
+                    if not sys._getframe(1).f_code.co_filename.startswith(_LIBRARY_DIRS):
+                        reads[id(self)] = None  # the program's code reads it: every attribute
+                elif name in object.__getattribute__(self, "__dict__"):
+                    names.add(name)
+        return super(cls, self).__getattribute__(name)
+
+    __getattribute__.fxad_recorder = True  # type: ignore[attr-defined]
+    return __getattribute__
+
+
+@contextlib.contextmanager
+def recording_reads(mods: list[torch.nn.Module]) -> Iterator[dict[int, set | None]]:
+    """Within: the attributes of their own that the modules ``mods`` read, noted by
+    ``id(module)`` in the dict yielded (None: every attribute, where a class has a
+    ``__getattribute__`` of its own or the code read ``__dict__``); their classes'
+    ``__getattribute__`` is replaced meanwhile and put back after.  What
+    :meth:`Settings.learn` takes: attributes a build's code never read cannot have decided
+    it, so a change of one (a step counter a trainer sets) needs no build."""
+    reads: dict[int, set | None] = {id(m): set() for m in mods}
+    patched = []
+    for cls in {type(m) for m in mods}:
+        own = cls.__dict__.get("__getattribute__")
+        if own is not None:
+            if not getattr(own, "fxad_recorder", False):  # its own: reads not known
+                reads.update({id(m): None for m in mods if type(m) is cls})
+            continue
+        try:
+            cls.__getattribute__ = _recorder(cls)
+        except TypeError:  # a class that takes no new attribute
+            reads.update({id(m): None for m in mods if type(m) is cls})
+            continue
+        patched.append(cls)
+    outer = _READS.get()
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+        for cls in patched:
+            del cls.__getattribute__
+        if outer is not None:  # a capture inside a capture: the outer one read them too
+            for mid, names in reads.items():
+                if mid in outer and outer[mid] is not None:
+                    if names is None:
+                        outer[mid] = None
+                    else:
+                        outer[mid] |= names
+
+
 def changed_settings(old: tuple, new: tuple, names: list[str]) -> list[str]:
     """The attributes whose value differs between two :func:`python_settings` of the same
-    modules (``names``: the modules' paths), as ``path.attr (old -> new)``."""
+    modules (``names``: the modules' paths), as ``path.attr (old -> new)``.  Attributes
+    both compare come first: one only side has may just not have been read by the code
+    that side was computed for (:attr:`Settings.relevant`)."""
     before = {(i, n): v for i, n, v in old}
     after = {(i, n): v for i, n, v in new}
     out = []
-    for (i, n) in [*before, *(k for k in after if k not in before)]:
+    both = [k for k in before if k in after]
+    one = [k for k in before if k not in after] + [k for k in after if k not in before]
+    for (i, n) in [*both, *one]:
         w, v = before.get((i, n)), after.get((i, n))
         if w == v:
             continue

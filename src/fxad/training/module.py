@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from .. import distributed as _dist
 from ..capture.decisions import check_policy, value_policy
-from ..capture.module_state import Settings, changed_settings
+from ..capture.module_state import Settings, changed_settings, recording_reads
 from ..capture.outputs import OUTPUT_SPEC, restore_output
 from ..capture.tracer import KeywordCall
 from ..errors import InputError, ValueGuardError
@@ -95,6 +95,8 @@ class FxadModule(torch.nn.Module):
         # the modules' plain Python attributes (self.scale, config flags): part of the
         # signature, as the code of a build is specialized on them
         self._settings = Settings()
+        # where the last build changed the attributes compared: its values' version then
+        self._learned: int | None = None
 
     # ------------------------------------------------------------------ capture
     def _modules_and_params(self) -> tuple[list, list]:
@@ -234,6 +236,8 @@ class FxadModule(torch.nn.Module):
                 "new dtype, device, structure, Python value, training flags or autocast state")
         self.builds.append(Build(len(self.builds) + 1, shapes, reason,
                                  p.vjp_gm.meta.get("fxad_shapes", {}).get("symbols", {})))
+        if self._learned is not None:  # the key of this build under the attributes compared
+            self._plans[key[:-1] + (self._learned,)] = p
         return p
 
     def _settings_reason(self, key: Any) -> str | None:
@@ -263,9 +267,14 @@ class FxadModule(torch.nn.Module):
         layout: bool | str = self.channels_last
         if layout is None:  # where the cast copies the weight anyway: see the module doc
             layout = "casts" if _onednn_enabled() else False
-        with value_policy(self.values):
+        mods = self._modules_and_params()[0]
+        before = self._settings.snapshot(mods)  # the values the capture starts from
+        with value_policy(self.values), recording_reads(mods) as reads:
             g = _vjp_graph(self._callee(), inputs, argnums, self.leaf_modules, layout,
                            dynamic_shapes=dynamic_shapes)
+        # the attributes compared changed: the version of this build's values under them
+        self._learned = self._settings.version_of(before, mods) \
+            if self._settings.learn(reads) else None
         with _AutocastOff(_autocast_devices()):  # node dtypes as the code runs
             part = partition(g, self.policy, lift_params=True, checkpoint=self.checkpoint)
             accumulate_in_place(part.bwd_gm)  # run once, never transformed again
@@ -418,6 +427,10 @@ class FxadModule(torch.nn.Module):
         p = self._build(inputs, getattr(tried[0], "dynamic_shapes", None))
         alts.insert(0, p)
         self._plans[key] = p
+        if self._learned is not None:  # the key of these builds under the attributes compared
+            now = key[:-1] + (self._learned,)
+            self._plans[now] = p
+            self._value_plans[now] = alts
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
         self.builds.append(Build(
             len(self.builds) + 1, shapes,
@@ -539,12 +552,14 @@ def compile(model: torch.nn.Module, *example_inputs: Any,
     signature a warning names the line and the fix.  ``values``: ``"guard"`` (default),
     ``"guard+sizes"`` (data-dependent sizes too) or ``"refuse"``, as in :func:`fxad.vjp`.
     Each guard reads a value: one device synchronization per guard on a GPU.  The modules'
-    plain Python attributes (numbers, flags, strings, short containers of them, and those of
-    an object a module holds, such as a configuration) are part of what a build is
-    specialized on: changing one between calls (``m.scale = 3.0``,
-    ``m.config.use_cache = False``), assigning another tensor to a buffer or tensor
-    attribute, or registering or removing a module hook builds again, and ``m.builds`` names the attribute
-    (:class:`fxad.capture.module_state.Settings`, checked by identity on every call).
+    plain Python attributes that their code read while a build was captured (numbers,
+    flags, strings, short containers of them; every field of an object a module holds, such
+    as a configuration) are part of what a build is specialized on: changing one between
+    calls (``m.scale = 3.0``, ``m.config.use_cache = False``), assigning another tensor to a
+    buffer or tensor attribute, or registering or removing a module hook builds again, and
+    ``m.builds`` names the attribute (:class:`fxad.capture.module_state.Settings`, checked
+    by identity on every call).  An attribute no build's code read (a step counter a trainer
+    sets, one the code only writes) changes nothing.
 
     Edited derivative (``vjp=``): the path (or text) of a training split written by
     ``fxad.eject(model, *inputs, kind="training")`` and edited by hand; the returned

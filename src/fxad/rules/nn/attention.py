@@ -15,11 +15,11 @@ that is exactly the causal pattern (transformers' decoders build one under captu
 ``is_causal=True`` without a mask (:mod:`fxad.training.masks`).  On CUDA the rules call
 PyTorch's CUDA flash attention (half precision, no mask) or memory-efficient attention
 (float32, or a mask as its additive bias) forward and backward, as eager SDPA picks them
-(:class:`ScaledDotProductAttentionCudaFlash`, :class:`ScaledDotProductAttentionCudaEfficient`:
-the kernel eager's dispatch picks, flash where it picks cuDNN attention).
-With ``dropout_p > 0``
-both forms write the probabilities out (:class:`ScaledDotProductAttentionDropout`), as eager
-PyTorch's CPU dispatch runs its math reference with dropout.  Configurations the rule cannot
+(:class:`ScaledDotProductAttentionCudaFlash`,
+:class:`ScaledDotProductAttentionCudaEfficient`: the kernel eager's dispatch picks, flash
+where it picks cuDNN attention).  With ``dropout_p > 0`` both forms write the probabilities
+out (:class:`ScaledDotProductAttentionDropout`), as eager PyTorch's CPU dispatch runs its
+math reference with dropout.  Configurations the rule cannot
 differentiate exactly raise :class:`~fxad.errors.RuleError` naming what to change.
 """
 from __future__ import annotations
@@ -431,21 +431,22 @@ def _eager_choice(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any
     stand-ins of the inputs (:func:`_stand_in`), or -1 where it cannot say."""
     try:
         with unset_fake_temporarily(), torch._C.DisableTorchFunction():
-            args = [None if t is None else _stand_in(t) for t in (q, k, v, mask)]
+            args = [_stand_in(q, True), _stand_in(k, True), _stand_in(v, True),
+                    None if mask is None else _stand_in(mask, False)]
             return int(torch._fused_sdp_choice(*args, 0.0, bool(is_causal), scale=scale,
                                                enable_gqa=bool(enable_gqa)))
     except Exception:  # noqa: BLE001 - another torch, or sizes it cannot read
         return -1
 
 
-def _stand_in(t: Any) -> torch.Tensor:
+def _stand_in(t: Any, grad: bool) -> torch.Tensor:
     """An uninitialized tensor with ``t``'s sizes, strides, dtype and device (a fake value
-    at capture has no storage, and the choice reads metadata only), requiring grad as the
-    inputs of a derivative do."""
+    at capture has no storage, and the choice reads metadata only); ``grad``: requiring
+    grad, as the query, key and value of a derivative do."""
     # the example's sizes, without a guard (a symbolic build stays symbolic)
     shape, stride = [size_hint(n) for n in t.shape], [size_hint(n) for n in t.stride()]
     x = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    return x.requires_grad_(t.is_floating_point())
+    return x.requires_grad_(grad and t.is_floating_point())
 
 
 def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
