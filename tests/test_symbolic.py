@@ -72,19 +72,28 @@ def test_dynamic_shapes_in_torch_export_format_names_and_ties_sizes():
         g(torch.randint(0, 40, (2, 4)), torch.randint(0, 40, (3, 4)))
 
 
-def test_size_one_broadcasting_and_mean_at_every_size():
-    def f(x, w, b):
-        return ((x @ w + b).tanh() * torch.arange(x.shape[1], dtype=x.dtype)[:, None]).mean()
+def _mean_of_scaled_rows(x, w, b):
+    return ((x @ w + b).tanh() * torch.arange(x.shape[1], dtype=x.dtype)[:, None]).mean()
 
+
+def _symbolic_grad_matches_autograd(shapes):
+    """fxad.grad of :func:`_mean_of_scaled_rows` built once with dynamic=True, against
+    autograd at each x shape of ``shapes``; returns the built module and w, b."""
+    f = _mean_of_scaled_rows
     w, b = torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D)
     g = fxad.grad(f, torch.randn(2, 5, 3, dtype=D), w, b, dynamic=True)
-    for shape in [(1, 1, 3), (1, 7, 3), (6, 1, 3), (4, 9, 3)]:
+    for shape in shapes:
         x = torch.randn(shape, dtype=D)
         args = [a.clone().requires_grad_() for a in (x, w, b)]
         want = torch.autograd.grad(f(*args), args)
         _, got = g(x, w, b)
         for a, e in zip(got, want):
             torch.testing.assert_close(a, e)
+    return g, w, b
+
+
+def test_size_one_broadcasting_and_mean_at_every_size():
+    g, w, b = _symbolic_grad_matches_autograd([(1, 1, 3), (1, 7, 3), (6, 1, 3), (4, 9, 3)])
     with pytest.raises(fxad.InputError, match=r"`w`.size\(0\) is 3, but `x`.size\(2\) is 4"):
         g(torch.randn(2, 5, 4, dtype=D), w, b)  # sizes the matmul ties together
 
@@ -287,17 +296,5 @@ def test_build_through_the_python_dispatcher(monkeypatch):
     the code stays generic over the sizes and matches autograd at other sizes."""
     import fxad.symbolic as symbolic
     monkeypatch.setattr(symbolic, "composites_fix_sizes", lambda: True)
-
-    def f(x, w, b):
-        return ((x @ w + b).tanh() * torch.arange(x.shape[1], dtype=x.dtype)[:, None]).mean()
-
-    w, b = torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D)
-    g = fxad.grad(f, torch.randn(2, 5, 3, dtype=D), w, b, dynamic=True)
+    g, _, _ = _symbolic_grad_matches_autograd([(1, 7, 3), (4, 9, 3)])
     assert "torch.arange(x_size_1" in g.code
-    for shape in [(1, 7, 3), (4, 9, 3)]:
-        x = torch.randn(shape, dtype=D)
-        args = [a.clone().requires_grad_() for a in (x, w, b)]
-        want = torch.autograd.grad(f(*args), args)
-        _, got = g(x, w, b)
-        for a, r in zip(got, want):
-            torch.testing.assert_close(a, r)
