@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ...graph.sizes import size_hint
 from .. import fused
 from .._base import guard_layout, randn, _add
 from ..registry import needs_cotangent, register_vjp
@@ -443,10 +442,20 @@ def _stand_in(t: Any, grad: bool) -> torch.Tensor:
     """An uninitialized tensor with ``t``'s sizes, strides, dtype and device (a fake value
     at capture has no storage, and the choice reads metadata only); ``grad``: requiring
     grad, as the query, key and value of a derivative do."""
-    # the example's sizes, without a guard (a symbolic build stays symbolic)
-    shape, stride = [size_hint(n) for n in t.shape], [size_hint(n) for n in t.stride()]
+    shape, stride = [_example_size(n) for n in t.shape], [_example_size(n) for n in t.stride()]
     x = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     return x.requires_grad_(grad and t.is_floating_point())
+
+
+def _example_size(n: Any) -> int:
+    """A size, or a symbolic size's value at the example inputs, read without a guard (so
+    that a symbolic build stays symbolic); ValueError for a size read from data."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        if hint is None:
+            raise ValueError("a size read from tensor data")
+        return int(hint)
+    return int(n)
 
 
 def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
