@@ -17,8 +17,11 @@ untimed step; CUDA events around the block), the ratio to eager and to ``torch.c
 (``t_other / t``: above 1 is faster), the peak GPU memory of a step as if the model were
 alone on the GPU (its parameters plus the most ``torch.cuda.max_memory_allocated`` rose
 above the level at the step's start, the previous gradients released first), and the
-largest difference of its first step's gradients from eager's (relative to the largest
-gradient; bfloat16 autocast rounds differently in each method).
+largest difference of one step's gradients from eager's, every method starting that step
+from eager's weights (relative to the largest gradient; bfloat16 autocast rounds
+differently in each method).  ``--profile`` adds each method's ATen op counts that differ
+from eager's and its most expensive GPU kernels; ``--cpu`` runs the script itself on the
+CPU at tiny sizes (a check of the script, without memory figures).
 
 Usage::
 

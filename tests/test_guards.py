@@ -85,4 +85,4 @@ def test_compile_retraces_on_a_guard_failure_with_a_cache():
         for (n, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=n)
     # a new shape and a new Python value re-traced; a new tensor *value* in a container did not
-    assert len(cm._plans) == 3
+    assert len({id(p) for p in cm._plans.values()}) == 3  # builds (a build may be filed twice)

@@ -237,8 +237,22 @@ class FxadModule(torch.nn.Module):
         self.builds.append(Build(len(self.builds) + 1, shapes, reason,
                                  p.vjp_gm.meta.get("fxad_shapes", {}).get("symbols", {})))
         if self._learned is not None:  # the key of this build under the attributes compared
-            self._plans[key[:-1] + (self._learned,)] = p
+            self._rekey(key, key[:-1] + (self._learned,), p)
         return p
+
+    def _rekey(self, old: Any, new: Any, p: _Plan) -> None:
+        """File the build ``p`` made for signature ``old`` also under ``new`` (the same
+        values under the attributes compared since the build), with the sizes seen and the
+        symbolic builds of its shape-free signature."""
+        self._plans[new] = p
+        of, nf = self._shape_free(old), self._shape_free(new)
+        if of == nf:
+            return
+        seen = self._shapes_seen.setdefault(nf, [])
+        seen.extend(s for s in self._shapes_seen.get(of, []) if s not in seen)
+        self._dynamic_dims.setdefault(nf, set()).update(self._dynamic_dims.get(of, ()))
+        sym = self._symbolic.setdefault(nf, [])
+        sym.extend(q for q in self._symbolic.get(of, []) if q not in sym)
 
     def _settings_reason(self, key: Any) -> str | None:
         """Why ``key`` needs a build when an earlier build differs from it only in the
@@ -429,7 +443,7 @@ class FxadModule(torch.nn.Module):
         self._plans[key] = p
         if self._learned is not None:  # the key of these builds under the attributes compared
             now = key[:-1] + (self._learned,)
-            self._plans[now] = p
+            self._rekey(key, now, p)
             self._value_plans[now] = alts
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
         self.builds.append(Build(
