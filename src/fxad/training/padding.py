@@ -68,10 +68,8 @@ class _Padder:
     def _node(self, before: fx.Node, target: Any, args: tuple, meta_from: fx.Node,
               kind: str = "call_function") -> fx.Node:
         v = compute_meta(self.gm, kind, target, args, {})
-        if before.op in ("placeholder", "get_attr"):  # after the inputs, not among them
+        if before.op == "placeholder":  # after the inputs, not among them
             before = [n for n in self.gm.graph.nodes if n.op == "placeholder"][-1]
-            while before.next.op == "get_attr":
-                before = before.next
         with self.gm.graph.inserting_after(before):
             n = self.gm.graph.create_node(kind, target, args, {})
         n.meta = {k: w for k, w in meta_from.meta.items() if k == "fxad_loc"}
