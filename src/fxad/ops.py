@@ -5,6 +5,7 @@ They are registered as torch.fx "custom builtins", so code saved with
 """
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import torch
@@ -84,6 +85,8 @@ def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple, rng: Any = Non
     if tracer is not None:
         args = (pred, true_fn, false_fn, operands) + (() if rng is None else (rng,))
         return tracer.create_proxy("call_function", cond, args, {})
+    if type(pred).__name__ == "FakeTensor":  # fxad computing a nested cond's metadata:
+        return true_fn(*operands)           # both branches have the same shapes
     branch = true_fn if bool(pred) else false_fn
     if rng is None:
         return branch(*operands)
@@ -93,6 +96,22 @@ def cond(pred: Any, true_fn: Any, false_fn: Any, operands: tuple, rng: Any = Non
         if len(rng) > 1:
             torch.cuda.set_rng_state(rng[2], rng[1].device)
         return branch(*operands)
+
+
+def program_error(like: Any, kind: str, message: str) -> Any:
+    """Raise what the traced program raised on this path of its random decisions (an
+    exception of the builtin class named ``kind``, else ``RuntimeError``, with ``message``);
+    ``like`` (a tensor the branch returns in its place) is returned when fxad only computes
+    the branch's metadata on fake tensors.  See :mod:`fxad.capture.paths`."""
+    tracer = _is_proxy(like)
+    if tracer is not None:
+        return tracer.create_proxy("call_function", program_error, (like, kind, message), {})
+    if type(like).__name__ == "FakeTensor":
+        return like
+    cls = getattr(builtins, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = RuntimeError
+    raise cls(message)
 
 
 def rng_state(pred: Any) -> tuple:
@@ -296,9 +315,10 @@ def _register_builtins() -> None:
     _register_custom_builtin("fxad_autograd_function",
                              "from fxad.ops import autograd_function as fxad_autograd_function",
                              autograd_function)
-    for name, fn in (("cond", cond), ("rng_state", rng_state), ("while_loop", while_loop),
-                     ("while_loop_vjp", while_loop_vjp), ("while_loop_jvp", while_loop_jvp),
-                     ("scan", scan), ("scan_vjp", scan_vjp), ("scan_jvp", scan_jvp)):
+    for name, fn in (("cond", cond), ("rng_state", rng_state), ("program_error", program_error),
+                     ("while_loop", while_loop), ("while_loop_vjp", while_loop_vjp),
+                     ("while_loop_jvp", while_loop_jvp), ("scan", scan), ("scan_vjp", scan_vjp),
+                     ("scan_jvp", scan_jvp)):
         _register_custom_builtin(f"fxad_{name}", f"from fxad.ops import {name} as fxad_{name}",
                                  fn)
 

@@ -80,6 +80,60 @@ def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -
     return cache[key]
 
 
+_NORMS_WITH_STATS = (torch.nn.functional.batch_norm, torch.batch_norm)
+
+
+def recompute_form(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (a branch graph) as its VJP recomputes it: without the buffer updates the
+    forward made already (an in-place ``num_batches_tracked.add_(1)`` dropped, a training
+    ``batch_norm`` given no running statistics: the same output, computed from the batch),
+    in nested branches too, so that a backward leaves the buffers as eager PyTorch does
+    (updated once, by the forward).  ``gm`` itself when it updates nothing."""
+    got = gm.__dict__.get("_fxad_recompute_form")
+    if got is not None:
+        return got
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    attrs: dict[str, Any] = {}
+    changed = False
+    for n in list(graph.nodes):
+        if n.op in ("get_attr", "call_module"):
+            obj = fetch_attr(gm, n.target)
+            if isinstance(obj, fx.GraphModule) and any(
+                    u.op == "call_function" and u.target is ops.cond for u in n.users):
+                new = recompute_form(obj)
+                if new is not obj:
+                    changed = True
+                    n.target = n.target + "_recompute"
+                    obj = new
+            attrs[n.target] = obj
+        elif n.meta.get("fxad_buffer_write"):
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+            changed = True
+        elif n.op == "call_function" and n.target in _NORMS_WITH_STATS:
+            training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
+            if training is True and (len(n.args) > 1 and n.args[1] is not None
+                                     or n.kwargs.get("running_mean") is not None):
+                kwargs = dict(n.kwargs)
+                args = list(n.args)
+                for i, k in ((1, "running_mean"), (2, "running_var")):
+                    if len(args) > i:
+                        args[i] = None
+                    kwargs.pop(k, None)
+                n.args, n.kwargs = tuple(args), kwargs
+                changed = True
+    if not changed:
+        gm.__dict__["_fxad_recompute_form"] = gm
+        return gm
+    graph.eliminate_dead_code()
+    new_gm = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
+    new_gm.meta.update(gm.meta)
+    gm.__dict__["_fxad_recompute_form"] = new_gm
+    return new_gm
+
+
 def _floating(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
@@ -113,8 +167,8 @@ def cond_rule(node: fx.Node) -> Rule:
         pred, true_fn, false_fn, operands, rng = aux
         em = true_fn.tracer
         ex = _examples(operands)
-        t_vjp = _derivative("vjp", _module(true_fn), ex, em)
-        f_vjp = _derivative("vjp", _module(false_fn), ex, em)
+        t_vjp = _derivative("vjp", recompute_form(_module(true_fn)), ex, em)
+        f_vjp = _derivative("vjp", recompute_form(_module(false_fn)), ex, em)
         out_val = node.meta["val"]
         if isinstance(out_val, torch.Tensor):
             cot = d_out

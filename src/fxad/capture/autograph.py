@@ -28,17 +28,27 @@ What cannot be rewritten is refused with a :class:`~fxad.errors.DataDependentErr
 the line and showing the ``torch.cond`` rewrite: a branch that returns, breaks, continues
 out of anything but ``if`` blocks, yields, deletes, or declares ``global``/``nonlocal``; a
 decision outside an ``if`` test (``while``, ``assert``, ``.item()``); a function the traced
-program creates anew on each call (a ``def`` inside ``forward``).  A branch that changes an
-object in place (``lst.append(h)``, ``d[k] = v``, ``self.x = v``) is rewritten, but the change
-is refused where it happens while both branches are captured (:func:`mutated`: it would
-happen for both), unless the object is a container the branch made itself; a change in a
-branch that Python's own decision leaves unrun (``if output_hidden_states:
-hiddens.append(h)``) is no obstacle.  A variable that the
-branches leave different (bound in one only, other shapes, ``None`` in one and an object in
-the other) is bound to a value (:class:`Undefined`) that raises that error where it is read:
-every read of a name a converted ``if`` assigns goes through :func:`use`, because Python
-answers ``v is None``, ``isinstance(v, T)``, and passes ``v`` to a function or into an object
-without asking ``v``.
+program creates anew on each call (a ``def`` inside ``forward``).
+
+Where the two branches end in different Python state, the ``if`` is captured **path by
+path** instead (:mod:`fxad.capture.paths`; :class:`~fxad.capture.paths.ForkSite` restarts the
+capture with the ``if``'s line marked, and :func:`if_stmt` then takes the outcome the run
+forces and runs one branch as Python does):
+
+* a branch that changes an object from outside it in place (``lst.append(h)``,
+  ``d[k] = v``, ``self.x = v``; :func:`mutated`: capturing both branches would make the
+  change twice); a change to a container the branch made itself, or in a branch that
+  Python's own decision leaves unrun (``if output_hidden_states: hiddens.append(h)``), is no
+  obstacle;
+* a variable the branches leave different (bound in one only, other shapes, ``None`` in one
+  and an object in the other) that the program reads afterwards: it is bound to an
+  :class:`Undefined` whose first read starts the path-by-path capture.  Every read of a name
+  a converted ``if`` assigns goes through :func:`use`, because Python answers ``v is None``,
+  ``isinstance(v, T)``, and passes ``v`` to a function or into an object without asking
+  ``v``.
+
+Inside a ``torch.cond`` branch, a loop body or a checkpoint region (a nested capture) both
+are refused with a :class:`~fxad.errors.DataDependentError` naming the line.
 """
 from __future__ import annotations
 
@@ -56,10 +66,12 @@ from ..graph.proxy import user_source_loc
 from ..simplify._util import draws_random
 from .control import BranchMismatch, capture_if
 from .ifrewrite import META, REWRITTEN, CannotRewrite, rewrite
+from .paths import ForkSite, current_forks
 from .state import current
 
-__all__ = ["RestartCapture", "random_decision", "patched", "attached_graphs", "if_stmt", "if_exp", "not_",
-           "and_", "or_", "use", "mutated", "depends_on_random", "MAX_RESTARTS"]
+__all__ = ["RestartCapture", "random_decision", "patched", "attached_graphs", "if_stmt",
+           "if_exp", "not_", "and_", "or_", "use", "mutated", "values_of", "unbound",
+           "depends_on_random", "MAX_RESTARTS"]
 
 MAX_RESTARTS = 8
 
@@ -99,11 +111,14 @@ class Undefined:
     """The value of a variable after a captured ``if`` whose branches disagree on it: any
     use raises a :class:`~fxad.errors.DataDependentError` naming the ``if`` and why."""
 
-    def __init__(self, name: str, why: str, loc: SourceLoc | None) -> None:
-        object.__setattr__(self, "_info", (name, why, loc))
+    def __init__(self, name: str, why: str, loc: SourceLoc | None,
+                 fork: tuple[str, int] | None = None) -> None:
+        object.__setattr__(self, "_info", (name, why, loc, fork))
 
     def _fail(self, *_: Any, **__: Any) -> NoReturn:
-        name, why, loc = object.__getattribute__(self, "_info")
+        name, why, loc, fork = object.__getattribute__(self, "_info")
+        if fork is not None:  # capture the `if` path by path (capture.paths)
+            raise ForkSite(fork, loc, f"`{name}`: {why}")
         where = f" ({loc.filename}:{loc.lineno}: `{loc.code}`)" if loc is not None else ""
         raise DataDependentError(
             f"`{name}` is used after an `if` on a random draw{where} that fxad captured as "
@@ -221,17 +236,24 @@ def if_stmt(pred: Any, true_fn: Callable, false_fn: Callable, names: tuple,
             f"an `if` decides on a random tensor of shape {list(pred.shape)}, which has no "
             "single truth value", op="if", loc=loc,
             hint="reduce it to one element (.all(), .any()) or choose values with torch.where")
+    pred = pred.reshape(()) if pred.dim() else pred
+    site = (line[0], line[1])
+    forks = current_forks()
+    top = forks is not None and cap is forks.session and not _BRANCHES
+    if top and site in forks.sites:  # captured path by path: Python takes one branch
+        _keep_draws(pred)
+        outcome = forks.take(cap, cap.node_of(pred), site, loc)
+        return tuple((true_fn if outcome else false_fn)(*before))
     absent = object()
-    _BRANCHES[0] += 1
+    _BRANCHES.append((site, loc) if top else None)
     try:
-        outs = capture_if(cap, pred.reshape(()) if pred.dim() else pred,
-                          [lambda: _bound(true_fn(*before), absent),
-                           lambda: _bound(false_fn(*before), absent)],
+        outs = capture_if(cap, pred, [lambda: _bound(true_fn(*before), absent),
+                                      lambda: _bound(false_fn(*before), absent)],
                           before, names, absent)
     finally:
-        _BRANCHES[0] -= 1
-    return tuple(Undefined(n, o.why, loc) if isinstance(o, BranchMismatch) else o
-                 for n, o in zip(names, outs))
+        _BRANCHES.pop()
+    return tuple(Undefined(n, o.why, loc, site if top else None)
+                 if isinstance(o, BranchMismatch) else o for n, o in zip(names, outs))
 
 
 def _bound(values: Sequence[Any], absent: Any) -> tuple:
@@ -245,12 +267,21 @@ def if_exp(pred: Any, a: Callable[[], Any], b: Callable[[], Any],
                    {}, line)[0]
 
 
+def values_of(scope: dict, names: tuple) -> tuple:
+    """What a branch of a rewritten ``if`` returns: its variables ``names`` from ``scope``
+    (the branch's ``locals()``), an unbound one as such (a nested ``if`` left it unbound)."""
+    return tuple(scope[n] if n in scope else _Unbound(n) for n in names)
+
+
 def unbound(v: Any) -> bool:
     """``v`` stands for a variable that has no value (it is deleted again)."""
     return isinstance(v, _Unbound)
 
 
-_BRANCHES = [0]  # how many captures of both branches of an `if` are running now
+# the captures of both branches of an `if` running now, outermost first: the `if`'s site and
+# line where it is taken in the top-level capture (and could be captured path by path), else
+# None
+_BRANCHES: list[tuple[tuple[str, int], SourceLoc] | None] = []
 
 
 def mutated(obj: Any, line: tuple[str, int, str], what: str) -> Any:
@@ -259,8 +290,12 @@ def mutated(obj: Any, line: tuple[str, int, str], what: str) -> Any:
     (:func:`if_stmt` on a random draw) the change would happen for both, on an object that
     exists outside them: refused naming the line; otherwise (a Python predicate, one branch
     runs as in Python) ``obj`` itself."""
-    if _BRANCHES[0]:
+    if _BRANCHES:
         loc = _loc(line)
+        if _BRANCHES[0] is not None:  # capture the outermost `if` path by path instead
+            site, where = _BRANCHES[0]
+            raise ForkSite(site, where, f"a branch changes `{what}` at {loc.filename}:"
+                                        f"{loc.lineno}")
         raise DataDependentError(
             f"a branch of an `if` on a random draw changes an object that exists outside it "
             f"(`{what}`): fxad captures both branches as torch.cond, so the change would "

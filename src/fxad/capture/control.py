@@ -349,7 +349,8 @@ def _select_outputs(gm: fx.GraphModule, flat: list[Any], mine: list[Any],
         c.meta["val"] = to_fake(torch.full((), v, dtype=dtype))
         args.append(c)
     out.args = (args[0] if len(args) == 1 else tuple(args),)  # one tensor: as torch.cond
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(  # (a buffer update stays: fx counts methods as pure)
+        is_impure_node=lambda n: n.is_impure() or bool(n.meta.get("fxad_side_effect")))
     gm.recompile()
 
 

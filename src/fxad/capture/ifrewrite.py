@@ -346,8 +346,10 @@ class _Converter:
         test = self.expr(s.test, True)
 
         def branch(name: str, stmts: list[ast.stmt]) -> ast.FunctionDef:
-            ret = ast.Return(ast.Tuple([_raw(ast.Name(n, ast.Load())) for n in names],
-                                       ast.Load()))
+            # (read through locals(): a nested converted `if` may have left one unbound)
+            ret = ast.Return(_helper("values_of", [
+                ast.Call(ast.Name("locals", ast.Load()), [], []),
+                ast.Tuple([ast.Constant(n) for n in names], ast.Load())], s))
             fn = ast.FunctionDef(
                 name=name, args=ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in names],
                                               vararg=None, kwonlyargs=[], kw_defaults=[],

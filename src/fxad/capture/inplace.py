@@ -148,6 +148,7 @@ def _side_effect(cap: Any, func: Any, args: tuple, kwargs: dict, name: str) -> A
                                 "tensor")
     node = cap.record("call_method", method, args, kwargs, out, f"Tensor.{method}")
     node.meta["fxad_side_effect"] = True
+    node.meta["fxad_buffer_write"] = True  # (a recomputation leaves it out: ad.control_flow)
     return x
 
 

@@ -109,6 +109,8 @@ Modules (each imports only those listed before it, and fxad's lower layers)
   ``autograd.Function``\\ s and checkpoint regions, each captured in a nested session.
 * :mod:`~fxad.capture.effects` and :mod:`~fxad.capture.python_state`: side effects
   recorded as nodes, and Python state changes announced.
+* :mod:`~fxad.capture.paths` and :mod:`~fxad.capture.autograph`: random decisions as
+  ``torch.cond``, captured path by path where the branches end in different Python state.
 * :mod:`~fxad.capture.environment`: what is patched while capturing (module calls, control
   flow, custom Functions, checkpoint, leaf functions, ``is_compiling``).
 * :mod:`~fxad.capture.session`: :class:`~fxad.capture.session.Session`, the state of one
@@ -135,6 +137,8 @@ from .autograph import MAX_RESTARTS, RestartCapture, attached_graphs, patched
 from .decisions import note_example
 from .module_state import module_state, restore_module_state, warn_rebound
 from .outputs import OUTPUT_SPEC, output_spec
+from .paths import (Forks, ForkSite, capture_paths, current_forks, forks_scope,
+                    program_error_of)
 from .patching import user_globals
 from .session import Session
 from .state import capturing, has_tensor, symbolic_shapes
@@ -319,7 +323,9 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
 
     A Python ``if`` on a random draw (LayerDrop) makes capture start again with the
     function that decides rewritten, its ``if`` recorded as ``torch.cond``
-    (:mod:`fxad.capture.autograph`; at most ``MAX_RESTARTS`` times).
+    (:mod:`fxad.capture.autograph`; at most ``MAX_RESTARTS`` times), or, where its
+    branches end in different Python state, with the program captured once per path and
+    the paths joined into nested conditionals (:mod:`fxad.capture.paths`).
 
     Args:
         f: a function of tensors (pytrees allowed) or an ``nn.Module``; a
@@ -337,10 +343,38 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
     """
     patches: list[Any] = []
     attached = attached_graphs(f)
+    sites: set[tuple[str, int]] = set()
+    first: ForkSite | None = None
+
+    def run(forced: tuple) -> tuple[fx.GraphModule | None, list, Exception | None]:
+        with forks_scope(Forks(sites, forced)) as forks:
+            try:
+                return _capture_once(f, example_inputs, leaf_modules, merged=False), \
+                    forks.taken, None
+            except (ForkSite, RestartCapture):
+                raise
+            except Exception as e:  # the program's own error on this path (capture.paths)
+                own = program_error_of(e)
+                if not forks.taken or own is None:
+                    raise
+                return None, forks.taken, own
+
     for _ in range(MAX_RESTARTS + 1):
         try:
             with patched(patches):
-                return _capture_once(f, example_inputs, leaf_modules)
+                if first is None:
+                    with forks_scope(Forks()):
+                        return _capture_once(f, example_inputs, leaf_modules)
+                return capture_paths(run, first)
+        except ForkSite as fork:
+            if fork.site in sites:  # forced already, yet the branch capture met it again
+                raise DataDependentError(
+                    f"a random decision captured path by path is met inside a torch.cond "
+                    f"branch ({fork.why})", op="if", loc=fork.loc,
+                    hint="write the choice with torch.cond") from None
+            sites.add(fork.site)
+            first = first or fork
+            attached()
         except RestartCapture as restart:
             patches.extend(restart.patches)
             attached()  # the branch graphs the abandoned capture attached are dropped
@@ -351,7 +385,7 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
 
 
 def _capture_once(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
-                  leaf_modules: Iterable[type]) -> fx.GraphModule:
+                  leaf_modules: Iterable[type], merged: bool = True) -> fx.GraphModule:
     keywords: tuple[str, ...] = ()
     if isinstance(f, KeywordCall):
         keywords, f = f.keywords, f.f
@@ -375,6 +409,9 @@ def _capture_once(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
     else:
         raise InputError(f"fxad expects a function or nn.Module, got {type(f).__name__}")
     cap = Session(root, not isinstance(f, torch.nn.Module), tuple(leaf_modules))
+    forks = current_forks()
+    if forks is not None and forks.session is None:
+        forks.session = cap  # decisions taken in this capture may be forked (capture.paths)
     cap.user_globals = user_globals(f)
     cap.program = f  # its Python state is compared after capture (capture.python_state)
     user_fn = fn if isinstance(f, torch.nn.Module) else f
@@ -401,7 +438,7 @@ def _capture_once(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
         node.meta["fxad_side_effect"] = True
         node.meta["fxad_input_mutation"] = ph.name
     cap.graph.output(out_args)
-    for n in list(cap.graph.nodes):  # items of multi-output ops the program never used
+    for n in list(cap.graph.nodes) if merged else ():  # items of multi-output ops unused
         if n.meta.get("fxad_auto_getitem") and not n.users:
             cap.graph.erase_node(n)
     gm = fx.GraphModule(cap.root, cap.graph, class_name=name)
