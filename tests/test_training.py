@@ -516,12 +516,19 @@ def test_joint_step_inductor_options(monkeypatch):
 
 def test_joint_step_channels_last_convolutions():
     model, inputs = _resblock()
-    step = joint_step(copy.deepcopy(model), *inputs, compile=False)
+    # float32 weights stay NCHW by default (the copies cost more than NHWC saves)
+    plain = joint_step(copy.deepcopy(model), *inputs, compile=False)
+    assert "channels_last" not in plain.graph_module.code
+    step = joint_step(copy.deepcopy(model), *inputs, compile=False, channels_last=True)
     code = step.graph_module.code
     assert "conv_weight_nhwc = conv_weight.contiguous(memory_format = torch.channels_last)" \
-        in code  # on by default where oneDNN runs the CPU convolutions
+        in code
     _, _, grads = step(*inputs)
     assert grads["conv.weight"].is_contiguous()
+    if torch.backends.mkldnn.is_available():  # under autocast the cast weights go NHWC
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = joint_step(copy.deepcopy(model), *inputs, compile=False)
+        assert "memory_format = torch.channels_last" in cast.graph_module.code
     _check_joint(joint_step(copy.deepcopy(model), *inputs, compile=False), model, inputs)
     off = joint_step(copy.deepcopy(model), *inputs, compile=False, channels_last=False)
     assert "channels_last" not in off.graph_module.code

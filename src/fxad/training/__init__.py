@@ -23,17 +23,18 @@ mask (:mod:`fxad.training.masks`: transformers' decoders build such a mask when 
 :func:`fxad.vjp` shows ``torch.relu`` and the mask.
 
 Convolution layout (:mod:`fxad.simplify.layout`, ``channels_last=``): on the CPU,
-:func:`joint_step` by default uses 2-D convolution weights channels-last, so that oneDNN
-runs the convolutions and everything between them in NHWC, as inductor's layout
-optimization does for ``torch.compile(model)`` (which :data:`JOINT_INDUCTOR_OPTIONS`
-switches off because it stores activations twice in a joint graph).  :func:`compile`, run
-eagerly, pays PyTorch's strided copies of the weights into NHWC (and of their gradients
-back) on every step, so by default it moves only the weights that autocast casts: there the
-weight is copied anyway and the permute adds one bfloat16 copy.  On the small ResNet-18
-benchmark (bfloat16 autocast) that made the bridge 1.03x autograd's speed instead of 0.99x,
-peak 6.74 instead of 6.80 MiB (autograd: 7.27), in one interleaved run.  In float32,
-``channels_last=True`` made it 1.09x but raised the peak to 12.17 MiB against autograd's
-11.05 (each float32 weight copied), so float32 weights stay NCHW unless asked.
+:func:`compile` and :func:`joint_step` by default move to channels-last only the 2-D
+convolution weights that autocast casts, so that oneDNN runs those convolutions and
+everything between them in NHWC: the weight is copied on every step anyway and the permute
+adds one bfloat16 copy.  On the small ResNet-18 benchmark (2026-11-26, 2-core CPU, torch
+2.13, one interleaved run each) under bfloat16 autocast that made the bridge 2.92x eager
+autograd's speed (NCHW weights: 0.99x; oneDNN's bfloat16 NCHW convolutions are slow there)
+and the compiled joint step 2.82x (NCHW: 0.99x).  In float32 every weight channels-last
+(``channels_last=True``) made the bridge 0.61x and the joint step 0.53x: PyTorch's strided
+copies of the weights into NHWC, and of their gradients back, on every step cost more than
+NHWC saves at 2x2 to 16x16 activations, so float32 weights stay NCHW unless asked.  (Inductor's
+own layout optimization, which does the same for ``torch.compile(model)``, is off in
+:data:`JOINT_INDUCTOR_OPTIONS` because it stores activations twice in a joint graph.)
 
 :func:`joint_step` returns the whole training step (forward + backward, the code of
 :func:`fxad.grad` with the residual policy's recomputations: :func:`fxad.residuals.joint_graph`)

@@ -99,13 +99,16 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     inductor): at the end on the bf16 ResNet-18 benchmark (simulated 9.0 -> 7.9 MiB; measured
     6.88 MiB, ``torch.compile(model)`` 6.89), where the peak falls inside the backward.
 
-    ``channels_last`` (default ``None``: where oneDNN runs the CPU convolutions) makes the
-    2-D convolution weights channels-last inside the graph (:mod:`fxad.simplify.layout`),
-    which moves the convolutions and the activations between them to NHWC without storing
-    any activation twice; parameter gradients come back in the parameters' layout.  On the
-    small ResNet-18 benchmark (fp32) that took the compiled step from 0.96-1.02x the speed
-    of ``torch.compile(model)`` (three runs) to 1.10x (two runs), peak 12.2 MiB against its
-    13.4 MiB.
+    ``channels_last`` (default ``None``: the weights autocast casts, where oneDNN runs the CPU
+    convolutions; ``True``: every 2-D convolution weight) makes those weights channels-last
+    inside the graph (:mod:`fxad.simplify.layout`), which moves the convolutions and the
+    activations between them to NHWC without storing any activation twice; parameter
+    gradients come back in the parameters' layout.  On the small ResNet-18 benchmark
+    (2026-11-26, 2-core CPU, torch 2.13, one interleaved run each) under bfloat16 autocast,
+    NHWC took the compiled step from 0.99x to 2.82x eager autograd's speed (oneDNN's
+    bfloat16 NCHW convolutions are slow there); in float32 every weight channels-last made it
+    0.53x (NCHW: 0.98x): the weights' copies into NHWC and their gradients' back cost more
+    than NHWC saves at 2x2 to 16x16 activations.
 
     Captured inside ``torch.autocast``, autocast's casts are explicit in the graph (see the
     module docstring) and the step runs with autocast disabled.  The uncompiled graph module
@@ -155,8 +158,8 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     if keywords:
         example_inputs = tuple(example_inputs) + tuple(kwargs.values())
         model = KeywordCall(model, keywords, differentiable=True)
-    if channels_last is None:
-        channels_last = _onednn_enabled()
+    if channels_last is None:  # as fxad.compile: where autocast copies the weight anyway
+        channels_last = "casts" if _onednn_enabled() else False
     if dynamic and dynamic_shapes is None:
         dynamic_shapes = tuple({d: Dim.AUTO for d in range(x.dim())}
                                if isinstance(x, torch.Tensor) else None for x in example_inputs)
