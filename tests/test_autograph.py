@@ -484,39 +484,37 @@ def test_decisions_captured_path_by_path_keep_python_state_per_path():
             p.grad = q.grad = None
 
 
-def test_paths_that_cannot_be_joined_are_refused_naming_the_line(monkeypatch):
-    class Printing(Encoder):
-        def forward(self, h):
-            hs = []
-            for layer in self.layers:
-                if torch.rand([]) < self.layerdrop:
-                    continue
-                hs.append(h)
-                h = layer(h)
-                print("ran", len(hs))
-            return h.sum()
+class Stacking(Encoder):
+    """Skipped layers leave `hs` shorter: the paths return stacks of different shapes
+    (``printing``: a print after each layer instead, and the sum)."""
 
+    def __init__(self, n: int = 3, printing: bool = False) -> None:
+        super().__init__(n)
+        self.printing = printing
+
+    def forward(self, h):
+        hs = []
+        for layer in self.layers:
+            if torch.rand([]) < self.layerdrop:
+                continue
+            hs.append(h)
+            h = layer(h)
+            if self.printing:
+                print("ran", len(hs))
+        return h.sum() if self.printing else torch.stack(hs)
+
+
+def test_paths_that_cannot_be_joined_are_refused_naming_the_line(monkeypatch):
     x = torch.randn(2, 4)
     with pytest.raises(DataDependentError, match=r"runs after a random decision that fxad "
                        r"captures path by path(.|\n)*print\(\"ran\""):
-        fxad.vjp(Printing().train(), x)
-
-    class Shapes(Encoder):
-        def forward(self, h):
-            hs = []
-            for layer in self.layers:
-                if torch.rand([]) < self.layerdrop:
-                    continue
-                hs.append(h)
-                h = layer(h)
-            return torch.stack(hs)
-
+        fxad.vjp(Stacking(printing=True).train(), x)
     with pytest.raises(DataDependentError, match=r"output 0 of the program is a tensor of "
                        r"float\d\d\[\d, 2, 4\] after one outcome"):
-        fxad.vjp(Shapes().train(), x)
+        fxad.vjp(Stacking().train(), x)
     monkeypatch.setattr(paths, "MAX_PATHS", 4)
     with pytest.raises(DataDependentError, match=r"more than 4 paths(.|\n)*if torch.rand"):
-        fxad.vjp(Shapes(n=3).train(), x)
+        fxad.vjp(Stacking(n=3).train(), x)
 
 
 def test_random_number_as_python_float_is_refused():
