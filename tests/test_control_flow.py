@@ -290,3 +290,27 @@ def test_scan_with_an_unused_output_has_zero_cotangents_for_it():
     c.sum().backward()
     torch.testing.assert_close(d_x, rx.grad)
     torch.testing.assert_close(d_c0, rc.grad)
+
+
+def test_loop_body_updating_a_buffer_is_refused_naming_the_line():
+    # PyTorch's own while_loop refuses the input mutation; the loop's derivative would also
+    # run the body again and update the running statistics a second time
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            def cond_fn(i, h):
+                return i < 3
+
+            def body_fn(i, h):
+                return i + 1, torch.tanh(self.bn(self.lin(h)))
+
+            return torch.while_loop(cond_fn, body_fn, (torch.tensor(0), x))[1].sum()
+
+    m = Loop().train()
+    with pytest.raises(fxad.CaptureError, match=r"while_loop body updates a buffer in place"
+                       r"(.|\n)*test_control_flow.py:\d+ in body_fn"):
+        fxad.grad(m, torch.randn(5, 4))
+    fxad.grad(m.eval(), torch.randn(5, 4))  # in eval mode the statistics are only read

@@ -89,6 +89,28 @@ def subgraph(cap: Any, fn: Callable, operands: Sequence[Any], name: str
     return gm, sub.lift
 
 
+def _refuse_buffer_writes(gm: fx.GraphModule, what: str) -> None:
+    """A loop or scan body that updates a buffer in place (BatchNorm's running statistics
+    and ``num_batches_tracked``) is refused, as PyTorch's own ``while_loop`` / ``scan``
+    refuse input mutation: the loop's derivative runs the body again, which would update the
+    buffer again."""
+    for n in gm.graph.nodes:
+        norm = n.op == "call_function" and n.target in (torch.nn.functional.batch_norm,
+                                                        torch.batch_norm)
+        stats = norm and (n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
+                          is True) and (n.kwargs.get("running_mean",
+                                                     n.args[1] if len(n.args) > 1 else None)
+                                        is not None)
+        if n.meta.get("fxad_buffer_write") or stats:
+            raise CaptureError(
+                f"the {what} updates a buffer in place (`{n.format_node()}`: a running "
+                "statistic or counter), which PyTorch does not allow inside while_loop / "
+                "scan either, and which the loop's derivative would repeat",
+                op=what, loc=n.meta.get("fxad_loc") or user_source_loc(),
+                hint="keep the module in eval mode inside the loop (running statistics "
+                     "read, not updated), or update the buffer outside the loop")
+
+
 def _attach(cap: Any, gm: fx.GraphModule, stem: str) -> fx.Node:
     """Keep ``gm`` on the captured root (a plain attribute, not a registered submodule of
     the user's module) and return a ``get_attr`` node for it."""
@@ -368,6 +390,7 @@ def capture_while_loop(cap: Any, cond_fn: Callable, body_fn: Callable,
                            hint="carry counters as 0-d tensors (torch.tensor(0))")
     c_gm, c_lift = subgraph(cap, cond_fn, carried, "loop_cond")
     b_gm, b_lift = subgraph(cap, body_fn, carried, "loop_body")
+    _refuse_buffer_writes(b_gm, "torch.while_loop body")
     (c_gm, b_gm), lifted = _unify([(c_gm, c_lift), (b_gm, b_lift)])
     c_out = _outputs(c_gm)
     if not isinstance(c_out, torch.Tensor) or c_out.numel() != 1:
@@ -435,6 +458,7 @@ def capture_scan(cap: Any, combine_fn: Callable, init: Any, xs: Any, dim: int = 
     with torch._C.DisableTorchFunction():
         fake_slices = [_fresh(s) for s in slices]
     b_gm, b_lift = subgraph(cap, body, c_flat + tuple(fake_slices), f"{what.split()[1]}_body")
+    _refuse_buffer_writes(b_gm, f"{what} body")
     (b_gm,), lifted = _unify([(b_gm, b_lift)])
     new_c, ys = _outputs(b_gm)
     if len(new_c) != nc or any(a.shape != b.shape or a.dtype != b.dtype
