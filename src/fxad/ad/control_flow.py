@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
-from ..capture.control import draws_in
+from ..capture.control import draws_in, updates_buffer
 from ..graph.proxy import fetch_attr, to_fake
 from ..rules.registry import Rule
 from .node_rules import register_node_rule
@@ -80,9 +80,6 @@ def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -
     return cache[key]
 
 
-_NORMS_WITH_STATS = (torch.nn.functional.batch_norm, torch.batch_norm)
-
-
 def recompute_form(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` (a branch graph) as its VJP recomputes it: without the buffer updates the
     forward made already (an in-place ``num_batches_tracked.add_(1)`` dropped, a training
@@ -112,18 +109,15 @@ def recompute_form(gm: fx.GraphModule) -> fx.GraphModule:
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
             changed = True
-        elif n.op == "call_function" and n.target in _NORMS_WITH_STATS:
-            training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
-            if training is True and (len(n.args) > 1 and n.args[1] is not None
-                                     or n.kwargs.get("running_mean") is not None):
-                kwargs = dict(n.kwargs)
-                args = list(n.args)
-                for i, k in ((1, "running_mean"), (2, "running_var")):
-                    if len(args) > i:
-                        args[i] = None
-                    kwargs.pop(k, None)
-                n.args, n.kwargs = tuple(args), kwargs
-                changed = True
+        elif updates_buffer(n):  # a training batch_norm: the same output without statistics
+            kwargs = dict(n.kwargs)
+            args = list(n.args)
+            for i, k in ((1, "running_mean"), (2, "running_var")):
+                if len(args) > i:
+                    args[i] = None
+                kwargs.pop(k, None)
+            n.args, n.kwargs = tuple(args), kwargs
+            changed = True
     if not changed:
         gm.__dict__["_fxad_recompute_form"] = gm
         return gm

@@ -226,7 +226,7 @@ def if_stmt(pred: Any, true_fn: Callable, false_fn: Callable, names: tuple,
     values of the variables ``names`` (read from ``scope``, the caller's ``locals()``) and
     return their new values.  A Python predicate runs one branch, as Python does; a tensor
     decided by a random draw while capturing records both as one ``torch.cond``."""
-    before = tuple(scope[n] if n in scope else _Unbound(n) for n in names)
+    before = values_of(scope, names)
     cap = _random(pred)
     if cap is None:
         return tuple((true_fn if pred else false_fn)(*before))

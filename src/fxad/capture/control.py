@@ -89,19 +89,26 @@ def subgraph(cap: Any, fn: Callable, operands: Sequence[Any], name: str
     return gm, sub.lift
 
 
+def updates_buffer(n: fx.Node) -> bool:
+    """``n`` updates a buffer in place: a recorded buffer write (``num_batches_tracked.
+    add_(1)``) or a training-mode ``batch_norm`` given running statistics."""
+    if n.meta.get("fxad_buffer_write"):
+        return True
+    if n.op != "call_function" or n.target not in (torch.nn.functional.batch_norm,
+                                                    torch.batch_norm):
+        return False
+    training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
+    stats = n.kwargs.get("running_mean", n.args[1] if len(n.args) > 1 else None)
+    return training is True and stats is not None
+
+
 def _refuse_buffer_writes(gm: fx.GraphModule, what: str) -> None:
     """A loop or scan body that updates a buffer in place (BatchNorm's running statistics
     and ``num_batches_tracked``) is refused, as PyTorch's own ``while_loop`` / ``scan``
     refuse input mutation: the loop's derivative runs the body again, which would update the
     buffer again."""
     for n in gm.graph.nodes:
-        norm = n.op == "call_function" and n.target in (torch.nn.functional.batch_norm,
-                                                        torch.batch_norm)
-        stats = norm and (n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
-                          is True) and (n.kwargs.get("running_mean",
-                                                     n.args[1] if len(n.args) > 1 else None)
-                                        is not None)
-        if n.meta.get("fxad_buffer_write") or stats:
+        if updates_buffer(n):
             raise CaptureError(
                 f"the {what} updates a buffer in place (`{n.format_node()}`: a running "
                 "statistic or counter), which PyTorch does not allow inside while_loop / "

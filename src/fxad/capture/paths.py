@@ -43,11 +43,12 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, DataDependentError, FxadError, SourceLoc
-from ..graph.proxy import fake_mode, fetch_attr
+from ..graph.proxy import fetch_attr
 from ..ops import cond as cond_op
 from ..ops import program_error
 from ..simplify._util import draws_random
-from .effects import numpy_draw, python_draw
+from .control import _fresh, updates_buffer
+from .effects import _FXAD_DIR, _TORCH_DIR, numpy_draw, python_draw
 from .normalize import normalize
 
 __all__ = ["MAX_PATHS", "Decision", "Forks", "ForkSite", "current_forks", "forks_scope",
@@ -130,10 +131,6 @@ class _Raises:
 
     def __init__(self, path: _Path) -> None:
         self.path = path
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def program_error_of(e: BaseException) -> BaseException | None:
@@ -502,12 +499,6 @@ def _same_skeleton(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    with torch._C.DisableTorchFunction(), fake_mode():
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
-                                   device=t.device)
 
 
 def _describe(v: Any) -> str:

@@ -154,10 +154,12 @@ def _capture_for_autocast(model: Any, inputs: tuple, leaf_modules: Iterable[type
     return gm
 
 
-def _onednn_enabled() -> bool:
-    """Whether oneDNN runs the CPU convolutions (what ``channels_last=None`` looks at in
-    :func:`joint_step` and :func:`compile`)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+def _default_layout() -> str | bool:
+    """What ``channels_last=None`` means in :func:`joint_step` and :func:`compile`: the
+    convolution weights autocast casts go channels-last (``"casts"``: the cast copies them
+    anyway) where oneDNN runs the CPU convolutions, none elsewhere (see the package doc)."""
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    return "casts" if onednn else False
 
 
 def _vjp_graph(model: Any, inputs: tuple, argnums: Any, leaf_modules: Iterable[type],

@@ -22,7 +22,7 @@ from ..residuals import Checkpoint, Partition, Policy, partition, split_backward
 from ..simplify.calls import cast_methods
 from ..simplify.inplace import accumulate_in_place
 from .bridge import _Bridge, _Plan, _Run, _Stage, _StagedBridge
-from .capture import (_autocast_devices, _AutocastOff, _onednn_enabled, _vjp_graph,
+from .capture import (_autocast_devices, _AutocastOff, _default_layout, _vjp_graph,
                       autocast_state)
 from .edited import EditedModule
 from .passes import accumulate_into_reshaped, activations_in_place, write_fresh_in_place
@@ -280,7 +280,7 @@ class FxadModule(torch.nn.Module):
                         and (x.is_floating_point() or x.is_complex()))
         layout: bool | str = self.channels_last
         if layout is None:  # where the cast copies the weight anyway: see the module doc
-            layout = "casts" if _onednn_enabled() else False
+            layout = _default_layout()
         mods = self._modules_and_params()[0]
         before = self._settings.snapshot(mods)  # the values the capture starts from
         with value_policy(self.values), recording_reads(mods) as reads:

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..pipeline import argnum_positions
 from ..residuals import Checkpoint, Policy, joint_graph, partition
 from ..simplify.schedule import defer_widening_output_casts
-from .capture import _autocast_devices, _AutocastOff, _onednn_enabled, _vjp_graph
+from .capture import _autocast_devices, _AutocastOff, _default_layout, _vjp_graph
 from .edited import edited_joint_step
 
 __all__ = ["joint_step", "JOINT_INDUCTOR_OPTIONS", "inductor_available"]
@@ -159,7 +159,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
         example_inputs = tuple(example_inputs) + tuple(kwargs.values())
         model = KeywordCall(model, keywords, differentiable=True)
     if channels_last is None:  # as fxad.compile: where autocast copies the weight anyway
-        channels_last = "casts" if _onednn_enabled() else False
+        channels_last = _default_layout()
     if dynamic and dynamic_shapes is None:
         dynamic_shapes = tuple({d: Dim.AUTO for d in range(x.dim())}
                                if isinstance(x, torch.Tensor) else None for x in example_inputs)
