@@ -48,6 +48,9 @@ from fxad.tools.torchvision_import import prepare_torchvision
 from bench_real_models import _cold, _release, grad_err, make_step  # (this folder)
 
 METHODS = ("eager", "fxad", "joint", "compile")
+# size flag: (GPT-2 small on the GPU, the --cpu dry run's tiny model)
+SIZES = {"layers": (12, 2), "d": (768, 64), "heads": (12, 2), "vocab": (50257, 1001),
+         "batch": (8, 2), "seq": (1024, 32)}
 GiB = 1024 ** 3
 
 
@@ -142,12 +145,9 @@ def profile(step: Callable[[], Any], top: int = 15) -> tuple[dict[str, int], lis
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
+    for flag in SIZES:
+        ap.add_argument(f"--{flag}", type=int, default=None,
+                        help=f"default {SIZES[flag][0]} (--cpu: {SIZES[flag][1]})")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--rounds", type=int, default=5)
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="a dry run of this script on the CPU "
                     "(tiny sizes; no memory figures)")
     args = ap.parse_args(argv)
+    for flag, (full, tiny) in SIZES.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, tiny if args.cpu else full)
     global DEVICE
     DEVICE = "cpu" if args.cpu else "cuda"
     if not args.cpu and not torch.cuda.is_available():

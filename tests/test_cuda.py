@@ -161,6 +161,11 @@ def test_gpt2_trains_with_the_causal_kernels(autocast):
     assert len(fwd) == 2 and len(bwd) == 2, code  # 2 layers
     for ln in fwd + bwd:  # the constant causal mask became the flag
         assert "attn_mask" not in ln and "attn_bias" not in ln and "True" in ln, ln
+    # GPT-2's written-out tanh GELU runs as the kernel, under autocast on x cast to float32
+    # (CUDA autocast runs the formula's pow in float32)
+    run = "\n".join(ln for ln in code.splitlines() if not ln.strip().startswith("#"))
+    assert run.count("approximate = 'tanh'") >= 2 and "gelu_backward" in run, code
+    assert "torch.pow(" not in run and "** 3" not in run, code
 
 
 @pytest.mark.parametrize("compiled", [False, True])

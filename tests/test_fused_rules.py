@@ -291,6 +291,47 @@ def test_gelu_tanh_formula_with_an_intermediate_read_elsewhere():
     assert "gelu(" in code and "torch.tanh(" in code
 
 
+@pytest.mark.parametrize("cast", ["float", "to"])
+def test_gelu_tanh_formula_with_the_cube_upcast(cast):
+    """CUDA autocast runs ``pow`` in float32 on a bfloat16 ``x`` (the cast explicit in the
+    captured graph); type promotion takes the formula to float32: the kernel runs on the
+    cast ``x`` and gives the formula's float32 values; its cotangent of ``x`` is rounded to
+    bfloat16 once, where autograd rounds each path's share before summing them."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+
+    def f(x):
+        up = x.float() if cast == "float" else x.to(torch.float32)
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                           * (x + 0.044715 * torch.pow(up, 3.0))))
+    with fxad.fused_kernels("all"):
+        g = fxad.vjp(f, x)
+    code = g.code
+    assert "gelu(" in code and "gelu_backward" in code, code
+    assert "tanh(" not in code.replace("approximate = 'tanh'", ""), code
+    cot = torch.randn(64, 32)
+    out, (d_x,) = g(x, cot)
+    xr = x.clone().requires_grad_()
+    want = f(xr)
+    want_d, = torch.autograd.grad(want, xr, cot)
+    assert out.dtype == torch.float32 and d_x.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    x64 = x.double().requires_grad_()  # the exact derivative, in float64
+    exact, = torch.autograd.grad(F.gelu(x64, approximate="tanh"), x64, cot.double())
+    ours, autograd = (d_x.double() - exact).abs(), (want_d.double() - exact).abs()
+    assert (ours <= exact.abs() * 2.0 ** -8 + 1e-6).all()  # bfloat16's half ulp
+    assert ours.max() <= autograd.max() and ours.sum() <= autograd.sum()
+
+
+def test_gelu_tanh_formula_with_a_downcast_cube_is_kept():
+    x = _rand(3, 4)
+
+    def f(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                           * (x + 0.044715 * torch.pow(x.float(), 3.0))))
+    assert "gelu" not in _compare(f, (x,))
+
+
 def test_other_constants_are_not_rewritten():
     x = _rand(3, 4)
     def f(x):

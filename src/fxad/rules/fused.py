@@ -119,14 +119,15 @@ def _other(node: fx.Node, op: Any, one: fx.Node) -> fx.Node | None:
 def _gelu_tanh(t: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """For ``t = torch.tanh(u)``: ``(x, out, nodes)`` where ``out`` is
     ``(0.5 * x) * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x ** 3)))`` (operands of each
-    commutative op in either order) and ``nodes`` the formula's nodes; else None."""
+    commutative op in either order; the cube may be of ``x`` cast up, :func:`_upcast`, and
+    ``x`` is then that cast) and ``nodes`` the formula's nodes; else None."""
     inner = _by_const(t.args[0] if t.args else None, operator.mul, _SQRT_2_OVER_PI)
     if inner is None or inner.op != "call_function" or inner.target is not operator.add:
         return None
     for x, cube_term in (inner.args, inner.args[::-1]):
         cube = _by_const(cube_term, operator.mul, 0.044715)
-        if isinstance(x, fx.Node) and cube is not None \
-                and _by_const(cube, operator.pow, 3.0) is x:
+        base = _by_const(cube, operator.pow, 3.0)
+        if isinstance(x, fx.Node) and base is not None and (base is x or _upcast(base, x)):
             break
     else:
         return None
@@ -138,9 +139,33 @@ def _gelu_tanh(t: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
             continue
         for out in one_plus.users:
             half = _other(out, operator.mul, one_plus)
-            if half is not None and _by_const(half, operator.mul, 0.5) is x:
-                return x, out, [out, one_plus, t, t.args[0], inner, cube_term, cube, half]
+            if half is None or _by_const(half, operator.mul, 0.5) is not x:
+                continue
+            nodes = [out, one_plus, t, t.args[0], inner, cube_term, cube, half]
+            want = out.meta.get("val")
+            if base is x:
+                return x, out, nodes
+            if isinstance(want, torch.Tensor) and want.dtype == base.meta["val"].dtype:
+                return base, out, nodes  # the formula's dtype: that of the upcast x
     return None
+
+
+def _upcast(node: fx.Node, x: fx.Node) -> bool:
+    """``node`` is ``x.to(dtype)`` (or ``x.float()``/``x.double()``) casting a floating ``x``
+    to a floating dtype of more precision: where CUDA autocast runs ``pow`` in float32 on
+    a half-precision ``x`` (casts made explicit by ``materialize_autocast``), the whole
+    formula computes in float32 by type promotion."""
+    if node.op != "call_method" or not node.args or node.args[0] is not x or node.kwargs:
+        return False
+    if node.target in ("float", "double"):
+        if len(node.args) != 1:
+            return False
+    elif node.target != "to" or len(node.args) != 2 or not isinstance(node.args[1], torch.dtype):
+        return False
+    a, b = x.meta.get("val"), node.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+        and a.is_floating_point() and b.is_floating_point() \
+        and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits
 
 
 def fuse_formulas(gm: fx.GraphModule) -> int:
@@ -154,6 +179,9 @@ def fuse_formulas(gm: fx.GraphModule) -> int:
       becomes ``F.gelu(x, approximate="tanh")``: one pass forward instead of eight and
       ``gelu_backward`` instead of about ten passes (on GPT-2's MLP activations,
       4 x 128 x 1024 float32, 4.4 ms instead of 10.7 ms forward + backward on one thread).
+      Where the cube is taken of ``x`` cast up (CUDA autocast runs ``pow`` in float32 on a
+      bfloat16 ``x``, and type promotion carries the rest of the formula to float32), the
+      kernel runs on that cast ``x``, in the formula's dtype.
       Intermediate values the program reads elsewhere stay computed.
     """
     g = gm.graph

@@ -408,14 +408,15 @@ def _cuda_shapes_ok(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
             and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
-def _cuda_flash_ok(q: Any, k: Any, v: Any, is_causal: bool) -> bool:
+def _cuda_flash_ok(q: Any, k: Any, v: Any, is_causal: bool, switch: bool = True) -> bool:
     """PyTorch's CUDA flash attention (FlashAttention-2) applies: float16 or bfloat16,
     equal head sizes of at most 256, a square causal mask (the kernel aligns a causal mask
     bottom-right where SDPA aligns it top-left), a GPU of compute capability 8.0 or later,
-    and the backend not switched off (``torch.backends.cuda.enable_flash_sdp``)."""
+    and (``switch``) the backend not switched off (``torch.backends.cuda.enable_flash_sdp``,
+    ``torch.nn.attention.sdpa_kernel``)."""
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
             and q.shape[-1] <= 256 and (not is_causal or q.shape[-2] == k.shape[-2])
-            and torch.backends.cuda.flash_sdp_enabled()
+            and (not switch or torch.backends.cuda.flash_sdp_enabled())
             and _capability(q.device) >= (8, 0))
 
 
@@ -468,11 +469,14 @@ def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
     (PyTorch 2.11 on an H200 does for half-precision causal attention), the rules call
     flash attention, which computes the same function: cuDNN attention's backward called
     from here gave gradients that differed from eager's by more than bfloat16 rounding
-    (``tests/test_cuda.py``, 2026-11-26), so it is not used."""
+    (``tests/test_cuda.py``, 2026-11-26), so it is not used.  Flash attention stands in for
+    cuDNN's also where its own switch is off (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``
+    allows cuDNN's alone): the fused kernel of the same function, not the formulas."""
     if not _cuda_shapes_ok(q, k, v, enable_gqa):
         return None
     choice = _eager_choice(q, k, v, mask, is_causal, scale, enable_gqa)
-    if mask is None and choice in (_FLASH, _CUDNN, -1) and _cuda_flash_ok(q, k, v, is_causal):
+    if mask is None and _cuda_flash_ok(q, k, v, is_causal, switch=choice != _CUDNN) \
+            and choice in (_FLASH, _CUDNN, -1):
         return "flash"
     if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) \
             and torch.backends.cuda.mem_efficient_sdp_enabled():
