@@ -29,6 +29,9 @@ Usage::
         [--batch 8] [--seq 1024] [--dtype bf16|fp32] [--methods eager,fxad,joint,compile]
         [--rounds 5] [--block 5] [--setup-budget 360] [--no-cudnn-sdp] [--profile]
 
+A method ``joint:POLICY`` (``joint:save``) runs ``joint_step`` with that residual policy
+(``joint``: its default, ``"min_memory"``).
+
 ``--setup-budget`` (seconds): a method whose set-up would start after this much time spent
 on set-ups is left out (reported as such), so that a run fits a time limit.
 """

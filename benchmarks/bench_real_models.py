@@ -304,7 +304,9 @@ def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool, device: 
     """One training step of ``method`` on ``model`` (already copied for it): zero_grad,
     forward (under bfloat16 autocast of ``device``'s type when ``bf16``), backward, SGD
     update.  ``step.model`` holds the parameters it trains.  ``joint``: a gradient of
-    another dtype than its parameter's raises TypeError (``p.grad = g`` would)."""
+    another dtype than its parameter's raises TypeError (``p.grad = g`` would);
+    ``joint:POLICY`` (``joint:save``) builds it with that residual policy."""
+    method, _, policy = method.partition(":")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
     if method in ("eager", "fxad", "compile"):
@@ -320,7 +322,7 @@ def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool, device: 
             return loss
     elif method == "joint":
         with _autocast(bf16, device):
-            js = fxad.joint_step(model, *inputs)
+            js = fxad.joint_step(model, *inputs, policy=policy or "min_memory")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         def step() -> Any:
@@ -415,7 +417,7 @@ def _cold(method: str) -> Any:
     in-memory caches cleared and a new empty cache directory, so that its set-up is a cold
     compile that reuses no kernel another row or method compiled (the kernels of the GPT-2,
     BERT and ViT layers are largely the same)."""
-    if INDUCTOR_CACHE is not None or method not in ("joint", "compile"):
+    if INDUCTOR_CACHE is not None or method.partition(":")[0] not in ("joint", "compile"):
         return contextlib.nullcontext()
     try:
         from torch._inductor.utils import fresh_cache
