@@ -89,6 +89,30 @@ def test_sdpa_mask_with_causal():
     assert "_scaled_dot_product_flash_attention_for_cpu_backward(" in code
 
 
+@pytest.mark.parametrize("choice,flash_on,efficient_on,want", [
+    ("CUDNN_ATTENTION", True, True, "flash"),        # eager's cuDNN: flash computes it
+    ("CUDNN_ATTENTION", False, False, "flash"),      # sdpa_kernel(CUDNN_ATTENTION)
+    ("CUDNN_ATTENTION", False, True, "efficient"),   # flash switched off: respected
+    ("FLASH_ATTENTION", True, True, "flash"),
+    ("EFFICIENT_ATTENTION", True, True, "efficient"),
+    ("EFFICIENT_ATTENTION", True, False, None),
+    ("MATH", True, True, None),
+])
+def test_cuda_attention_kernel_choice(monkeypatch, choice, flash_on, efficient_on, want):
+    """Which CUDA kernel the attention rules call for eager's choice and the back-end
+    switches (the decision alone, on meta tensors: the kernels are tested in test_cuda.py)."""
+    from torch.nn.attention import SDPBackend
+
+    from fxad.rules.nn import attention as A
+    monkeypatch.setattr(A, "_cuda_shapes_ok", lambda *a: True)
+    monkeypatch.setattr(A, "_eager_choice", lambda *a: int(getattr(SDPBackend, choice)))
+    monkeypatch.setattr(A, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: flash_on)
+    monkeypatch.setattr(torch.backends.cuda, "mem_efficient_sdp_enabled", lambda: efficient_on)
+    q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
+    assert A._cuda_kernel(q, q, q, None, True, None, False) == want
+
+
 def test_sdpa_learned_float_mask_gets_its_cotangent():
     """A mask whose cotangent is needed (a learned bias) gets the math backward."""
     q, k, v, bias = _rand(2, 3, 4, 5), _rand(2, 3, 6, 5), _rand(2, 3, 6, 5), _rand(1, 3, 4, 6)

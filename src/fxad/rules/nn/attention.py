@@ -469,17 +469,18 @@ def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
     (PyTorch 2.11 on an H200 does for half-precision causal attention), the rules call
     flash attention, which computes the same function: cuDNN attention's backward called
     from here gave gradients that differed from eager's by more than bfloat16 rounding
-    (``tests/test_cuda.py``, 2026-11-26), so it is not used.  Flash attention stands in for
-    cuDNN's also where its own switch is off (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``
-    allows cuDNN's alone): the fused kernel of the same function, not the formulas."""
+    (``tests/test_cuda.py``, 2026-11-26), so it is not used.  Where flash attention's own
+    switch is off, the memory-efficient kernel stands in for cuDNN's if its switch is on,
+    else flash attention still does (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`` allows
+    cuDNN's alone): a fused kernel of the same function, not the formulas."""
     if not _cuda_shapes_ok(q, k, v, enable_gqa):
         return None
     choice = _eager_choice(q, k, v, mask, is_causal, scale, enable_gqa)
-    if mask is None and _cuda_flash_ok(q, k, v, is_causal, switch=choice != _CUDNN) \
-            and choice in (_FLASH, _CUDNN, -1):
+    efficient = torch.backends.cuda.mem_efficient_sdp_enabled()
+    if mask is None and choice in (_FLASH, _CUDNN, -1) \
+            and _cuda_flash_ok(q, k, v, is_causal, switch=choice != _CUDNN or efficient):
         return "flash"
-    if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) \
-            and torch.backends.cuda.mem_efficient_sdp_enabled():
+    if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) and efficient:
         return "efficient"
     return None
 
