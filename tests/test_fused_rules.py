@@ -89,16 +89,21 @@ def test_sdpa_mask_with_causal():
     assert "_scaled_dot_product_flash_attention_for_cpu_backward(" in code
 
 
-@pytest.mark.parametrize("choice,flash_on,efficient_on,want", [
-    ("CUDNN_ATTENTION", True, True, "flash"),        # eager's cuDNN: flash computes it
-    ("CUDNN_ATTENTION", False, False, "flash"),      # sdpa_kernel(CUDNN_ATTENTION)
-    ("CUDNN_ATTENTION", False, True, "efficient"),   # flash switched off: respected
-    ("FLASH_ATTENTION", True, True, "flash"),
-    ("EFFICIENT_ATTENTION", True, True, "efficient"),
-    ("EFFICIENT_ATTENTION", True, False, None),
-    ("MATH", True, True, None),
+@pytest.mark.parametrize("choice,flash_on,efficient_on,masked,want", [
+    ("CUDNN_ATTENTION", True, True, False, "flash"),       # eager's cuDNN: flash computes it
+    ("CUDNN_ATTENTION", False, False, False, "flash"),     # sdpa_kernel(CUDNN_ATTENTION)
+    ("CUDNN_ATTENTION", False, True, False, "efficient"),  # flash switched off: respected
+    ("CUDNN_ATTENTION", True, True, True, "efficient"),    # a mask: flash takes none
+    ("CUDNN_ATTENTION", False, False, True, "efficient"),
+    ("FLASH_ATTENTION", True, True, False, "flash"),
+    ("EFFICIENT_ATTENTION", True, True, False, "efficient"),
+    ("EFFICIENT_ATTENTION", True, True, True, "efficient"),
+    ("EFFICIENT_ATTENTION", True, False, False, None),
+    ("MATH", True, True, False, None),
+    ("MATH", True, True, True, None),
 ])
-def test_cuda_attention_kernel_choice(monkeypatch, choice, flash_on, efficient_on, want):
+def test_cuda_attention_kernel_choice(monkeypatch, choice, flash_on, efficient_on, masked,
+                                      want):
     """Which CUDA kernel the attention rules call for eager's choice and the back-end
     switches (the decision alone, on meta tensors: the kernels are tested in test_cuda.py)."""
     from torch.nn.attention import SDPBackend
@@ -110,7 +115,8 @@ def test_cuda_attention_kernel_choice(monkeypatch, choice, flash_on, efficient_o
     monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: flash_on)
     monkeypatch.setattr(torch.backends.cuda, "mem_efficient_sdp_enabled", lambda: efficient_on)
     q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
-    assert A._cuda_kernel(q, q, q, None, True, None, False) == want
+    mask = torch.empty(16, 16, dtype=torch.bool, device="meta") if masked else None
+    assert A._cuda_kernel(q, q, q, mask, mask is None, None, False) == want
 
 
 def test_sdpa_learned_float_mask_gets_its_cotangent():

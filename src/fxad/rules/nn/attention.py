@@ -472,7 +472,8 @@ def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
     (``tests/test_cuda.py``, 2026-11-26), so it is not used.  Where flash attention's own
     switch is off, the memory-efficient kernel stands in for cuDNN's if its switch is on,
     else flash attention still does (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`` allows
-    cuDNN's alone): a fused kernel of the same function, not the formulas."""
+    cuDNN's alone), and the memory-efficient kernel where flash cannot (a mask): a fused
+    kernel of the same function, not the formulas."""
     if not _cuda_shapes_ok(q, k, v, enable_gqa):
         return None
     choice = _eager_choice(q, k, v, mask, is_causal, scale, enable_gqa)
@@ -480,7 +481,7 @@ def _cuda_kernel(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: Any,
     if mask is None and choice in (_FLASH, _CUDNN, -1) \
             and _cuda_flash_ok(q, k, v, is_causal, switch=choice != _CUDNN or efficient):
         return "flash"
-    if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) and efficient:
+    if choice in (_FLASH, _EFFICIENT, _CUDNN, -1) and (efficient or choice == _CUDNN):
         return "efficient"
     return None
 
