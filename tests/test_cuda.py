@@ -67,11 +67,16 @@ def _code(compiled):
 _KERNELS = ("flash", "cudnn", "efficient")  # fxad calls flash where eager picks cuDNN
 
 
+def _run_lines(code):
+    """The lines of ``code`` that run (not comments)."""
+    return [ln for ln in code.splitlines() if not ln.strip().startswith("#")]
+
+
 def _kernel_lines(code, kernel):
     """Code lines (not comments) calling the CUDA forward and backward ``kernel``."""
     fwd = f"_scaled_dot_product_{kernel}_attention("
     bwd = f"_scaled_dot_product_{kernel}_attention_backward("
-    lines = [ln for ln in code.splitlines() if not ln.strip().startswith("#")]
+    lines = _run_lines(code)
     return [ln for ln in lines if fwd in ln], [ln for ln in lines if bwd in ln]
 
 
@@ -163,7 +168,7 @@ def test_gpt2_trains_with_the_causal_kernels(autocast):
         assert "attn_mask" not in ln and "attn_bias" not in ln and "True" in ln, ln
     # GPT-2's written-out tanh GELU runs as the kernel, under autocast on x cast to float32
     # (CUDA autocast runs the formula's pow in float32)
-    run = "\n".join(ln for ln in code.splitlines() if not ln.strip().startswith("#"))
+    run = "\n".join(_run_lines(code))
     assert run.count("approximate = 'tanh'") >= 2 and "gelu_backward" in run, code
     assert "torch.pow(" not in run and "** 3" not in run, code
 

@@ -78,6 +78,22 @@ def is_float_val(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
+def is_dtype_cast(n: fx.Node) -> bool:
+    """``x.to(dtype)`` with nothing else (no device, no memory format)."""
+    return (n.op == "call_method" and n.target == "to" and len(n.args) == 2
+            and isinstance(n.args[1], torch.dtype) and not n.kwargs)
+
+
+def widens(n: fx.Node) -> bool:
+    """``n``'s value and that of its first argument are floating tensors, ``n``'s of more
+    bytes per element (a cast to a wider floating dtype, read from ``meta['val']``)."""
+    src = n.args[0] if n.args else None
+    v, a = n.meta.get("val"), src.meta.get("val") if isinstance(src, fx.Node) else None
+    return (isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor)
+            and v.is_floating_point() and a.is_floating_point()
+            and v.element_size() > a.element_size())
+
+
 _FXAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _STDLIB_DIR = os.path.dirname(contextlib.__file__)

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..graph.proxy import substitute
+from ..graph.proxy import is_dtype_cast, substitute, widens
 
 _LEVELS = {False: 0, True: 1, "all": 2}
 _STATE = {"level": 1}
@@ -151,21 +151,11 @@ def _gelu_tanh(t: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
 
 
 def _upcast(node: fx.Node, x: fx.Node) -> bool:
-    """``node`` is ``x.to(dtype)`` (or ``x.float()``/``x.double()``) casting a floating ``x``
-    to a floating dtype of more precision: where CUDA autocast runs ``pow`` in float32 on
-    a half-precision ``x`` (casts made explicit by ``materialize_autocast``), the whole
-    formula computes in float32 by type promotion."""
-    if node.op != "call_method" or not node.args or node.args[0] is not x or node.kwargs:
-        return False
-    if node.target in ("float", "double"):
-        if len(node.args) != 1:
-            return False
-    elif node.target != "to" or len(node.args) != 2 or not isinstance(node.args[1], torch.dtype):
-        return False
-    a, b = x.meta.get("val"), node.meta.get("val")
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
-        and a.is_floating_point() and b.is_floating_point() \
-        and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits
+    """``node`` is ``x.to(dtype)`` casting a floating ``x`` to a wider floating dtype (the
+    capture writes ``x.float()`` and ``x.double()`` so too): where CUDA autocast runs ``pow``
+    in float32 on a half-precision ``x`` (casts made explicit by ``materialize_autocast``),
+    the whole formula computes in float32 by type promotion."""
+    return is_dtype_cast(node) and node.args[0] is x and widens(node)
 
 
 def fuse_formulas(gm: fx.GraphModule) -> int:

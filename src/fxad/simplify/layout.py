@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph.proxy import fetch_attr
+from ..graph.proxy import fetch_attr, is_dtype_cast
 
 __all__ = ["channels_last_convolutions", "convolution_weight_slot"]
 
@@ -57,12 +57,6 @@ def convolution_weight_slot(n: fx.Node) -> int | None:
     if n.target in _CONV_BACKWARD:
         return 2
     return None
-
-
-def _is_dtype_cast(n: fx.Node) -> bool:
-    """``x.to(dtype)`` with nothing else (no device, no memory format)."""
-    return (n.op == "call_method" and n.target == "to" and len(n.args) == 2
-            and isinstance(n.args[1], torch.dtype) and not n.kwargs)
 
 
 def _movable(gm: fx.GraphModule, n: Any) -> bool:
@@ -117,7 +111,7 @@ def channels_last_convolutions(gm: fx.GraphModule, *, casts_only: bool = False) 
             continue
         w_cl = nhwc.get(w)
         if w_cl is None:
-            if _is_dtype_cast(w) and _movable(gm, w.args[0]) \
+            if is_dtype_cast(w) and _movable(gm, w.args[0]) \
                     and _only_weight_of_convolutions(w):
                 moved.add(w.args[0].target)
             elif not casts_only and _movable(gm, w):
@@ -141,7 +135,7 @@ def channels_last_convolutions(gm: fx.GraphModule, *, casts_only: bool = False) 
             continue
         # (an explicit memory_format: the simplifier drops a bare .contiguous() of a value
         # whose recorded strides, from before this pass, are contiguous)
-        src = g.args[0] if _is_dtype_cast(g) and len(g.users) == 1 else g
+        src = g.args[0] if is_dtype_cast(g) and len(g.users) == 1 else g
         with graph.inserting_after(src):
             g_c = graph.create_node("call_method", "contiguous", (src,),
                                     {"memory_format": torch.contiguous_format},

@@ -18,11 +18,10 @@ peak is lower.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
+from ..graph.proxy import widens
 from ..memory import simulate
-from ._util import val
 
 __all__ = ["defer_widening_output_casts", "is_widening_output_cast"]
 
@@ -32,13 +31,7 @@ def is_widening_output_cast(node: fx.Node) -> bool:
     if node.op != "call_method" or node.target != "to" or not node.args:
         return False
     users = list(node.users)
-    if len(users) != 1 or users[0].op != "output":
-        return False
-    src = node.args[0]
-    v, a = val(node), val(src)
-    return (isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor)
-            and v.is_floating_point() and a.is_floating_point()
-            and v.element_size() > a.element_size())
+    return len(users) == 1 and users[0].op == "output" and widens(node)
 
 
 def defer_widening_output_casts(graph: fx.Graph, *, grouped: bool = True) -> int:
