@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -660,3 +661,35 @@ def test_build_passes_run_with_autocast_off(monkeypatch):
         joint_step(copy.deepcopy(model), *inputs, compile=False)
     assert {name for name, _ in seen} == {"sum_to_size_as_sum", "partition"}
     assert not any(on for _, on in seen), seen
+
+
+def test_backward_headers_name_the_forward_line_they_differentiate():
+    """The graph built for execution renames nodes (a linear becomes reshape, linear,
+    reshape), so a captured node's name (``linear_6``: the head) can be another node there
+    (a block's linear): each backward block's header must still show its own forward line,
+    which the parameter gradients computed under it read."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 5)
+
+        def forward(self, x, y):
+            for b in self.blocks:
+                x = x + torch.tanh(b(x))
+            return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    model = Net()
+    inputs = (torch.randn(2, 3, 8), torch.randint(0, 5, (2, 3)))
+    code = joint_step(model, *inputs, compile=False).graph_module.code
+    header, checked = None, 0
+    for line in code.splitlines():
+        s = line.strip()
+        if s.startswith("# backward of:"):
+            header = s.split("[")[0]
+        m = re.match(r"d_(\w+_(weight|bias)) = ", s)
+        if m and header is not None:
+            assert m.group(1) in header, (s, header)
+            checked += 1
+    assert checked == 8  # weight and bias of the three blocks and the head

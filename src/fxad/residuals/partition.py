@@ -17,6 +17,8 @@ The split runs in named steps (:func:`_partition`):
 """
 from __future__ import annotations
 
+import re
+
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -407,10 +409,11 @@ def _block_headers(g: _Nodes, bwd: _BackwardBuilder, stmts: dict[str, str]
             emitted.setdefault(n.meta["fxad_fwd_of"], []).append(n)
     relabel: dict[str, str] = {}
     for label, reads in bwd.block_reads.items():
-        fname = resolve(graph, label)
+        value = _forward_node(label, resolve(graph, label), fwd_by_name, emitted)
+        fname = value.name if value is not None else resolve(graph, label)
         stmt = stmts.get(fname, fname)
         b = sum(saved_cost(r) for r in reads)
-        kind = residual_kind(fwd_by_name.get(fname), emitted.get(fname, ()), reads)
+        kind = residual_kind(value, emitted.get(label, ()), reads)
         if label in bwd.block_recomputes:
             kind += " (recomputing)"
         names = [r.name for r in reads]
@@ -420,8 +423,39 @@ def _block_headers(g: _Nodes, bwd: _BackwardBuilder, stmts: dict[str, str]
         of = n.meta.get("fxad_bwd_of")
         if of is not None:
             n.meta = dict(n.meta)
-            n.meta["fxad_bwd_of"] = relabel.get(of, stmts.get(resolve(graph, of), of))
+            if of not in relabel:
+                value = _forward_node(of, resolve(graph, of), fwd_by_name, emitted)
+                relabel[of] = stmts.get(value.name if value is not None else resolve(graph, of),
+                                        of)
+            n.meta["fxad_bwd_of"] = relabel[of]
     return blocks
+
+
+def _base_name(name: str) -> str:
+    return re.sub(r"_\d+$", "", name)
+
+
+def _forward_node(label: str, fname: str, fwd_by_name: dict[str, fx.Node],
+                  emitted: dict[str, list[fx.Node]]) -> fx.Node | None:
+    """The forward node of the graph whose statement a backward block of ``label`` (a
+    node name of the captured graph) is headed by.  Where the rules kept the captured
+    names, the node called ``fname`` (``label`` after the simplifier's renames); else, of
+    the nodes ``label``'s rule wrote (``emitted``), the one calling the op ``label`` is
+    named after (``linear`` for ``linear_6``, not the reshapes around it), else the last:
+    the graph built for execution renames nodes, so that ``linear_6`` of the captured
+    graph may be another linear there."""
+    n = fwd_by_name.get(fname)
+    if n is not None and n.meta.get("fxad_fwd_of", label) == label:
+        return n
+    calls = [c for c in emitted.get(label, ()) if c.op in ("call_function", "call_method")]
+    if not calls:
+        return n
+    base = _base_name(label)
+    for c in calls:
+        t = c.target if isinstance(c.target, str) else getattr(c.target, "__name__", "")
+        if t == base:
+            return c
+    return calls[-1]
 
 
 def _backward_module(bg: fx.Graph, g: _Nodes, saved: list[fx.Node], recompute: set[fx.Node],
