@@ -57,6 +57,7 @@ that guides the work on fxad's generated code).
 Usage::
 
     python benchmarks/bench_real_models.py [--models gpt2,bert,vit,resnet18,lstm,encoder]
+        (also gpt2-12: the same GPT-2 with 12 layers)
         [--dtypes fp32,bf16] [--methods eager,fxad,joint,compile] [--repeats 15]
         [--block 3] [--threads 1] [--quick] [--profile] [--bf16-batch 1] [--wall]
         [--inductor-cache DIR]
@@ -132,9 +133,9 @@ def _quiet_transformers() -> None:
         pass
 
 
-def build_gpt2(batch: int, g: torch.Generator) -> tuple[nn.Module, tuple]:
+def build_gpt2(batch: int, g: torch.Generator, layers: int = 4) -> tuple[nn.Module, tuple]:
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
+    cfg = GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                      bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
     ids = torch.randint(0, 2048, (batch, 128), generator=g)
@@ -283,7 +284,11 @@ MODELS: dict[str, tuple[str, Callable[[int, torch.Generator], tuple[nn.Module, t
     "resnet18": ("ResNet-18 B{B} 64x64", build_resnet18, 8),
     "lstm": ("nn.LSTM 2x256 B{B} T64", build_lstm, 8),
     "encoder": ("nn.TransformerEncoder L4 d256 B{B} T128", build_encoder, 4),
+    # not in the default list: the deeper GPT-2 of the regional-compilation figures
+    "gpt2-12": ("GPT-2 (transformers) L12 d256 B{B} T128",
+                lambda b, g: build_gpt2(b, g, layers=12), 4),
 }
+DEFAULT_MODELS = ("gpt2", "bert", "vit", "resnet18", "lstm", "encoder")
 METHODS = ("eager", "fxad", "joint", "compile")
 
 
@@ -305,8 +310,14 @@ def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool, device: 
     forward (under bfloat16 autocast of ``device``'s type when ``bf16``), backward, SGD
     update.  ``step.model`` holds the parameters it trains.  ``joint``: a gradient of
     another dtype than its parameter's raises TypeError (``p.grad = g`` would);
-    ``joint:POLICY`` (``joint:save``) builds it with that residual policy."""
-    method, _, policy = method.partition(":")
+    ``joint:POLICY`` (``joint:save``) builds it with that residual policy, ``joint:whole``
+    compiles the whole graph (``regions=False``), ``joint:regions`` compiles each repeated
+    block's region once (``regions=True``); options combine with ``+``
+    (``joint:save+whole``)."""
+    method, _, option = method.partition(":")
+    opts = set(option.split("+")) - {""}
+    regions = False if "whole" in opts else True if "regions" in opts else None
+    policy = next(iter(opts - {"whole", "regions"}), "")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
     if method in ("eager", "fxad", "compile"):
@@ -322,7 +333,7 @@ def make_step(method: str, model: nn.Module, inputs: tuple, bf16: bool, device: 
             return loss
     elif method == "joint":
         with _autocast(bf16, device):
-            js = fxad.joint_step(model, *inputs, policy=policy or "min_memory")
+            js = fxad.joint_step(model, *inputs, policy=policy or "min_memory", regions=regions)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         def step() -> Any:
@@ -544,7 +555,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default; --quick: fp32)")
     ap.add_argument("--methods", default=None,
                     help="eager,fxad,joint,compile (default; --quick: no compile)")
