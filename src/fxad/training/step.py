@@ -149,10 +149,9 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     :class:`fxad.training.regional.RegionPlan`, ``step.driver`` the graph module that calls
     the regions.  It trades step time and memory for set-up time: on transformers' GPT-2 at
     d=256 with 12 layers (2026-11-26, 2-core CPU, torch 2.13, float32, inductor cold) the
-    set-up fell from 54.0 to 21.7 s, the step rose from 546 to 568 ms and the peak from
-    80.7 to 85.2 MiB (a region keeps its inputs until it returns); with 4 layers: 28.2 to
-    19.3 s, 192 and 193 ms, 32.6 to 37.1 MiB.  Without a repeated block the whole graph is
-    compiled.
+    set-up fell from 50.1 to 19.9 s, the step rose from 516 to 646 ms (paired with eager's
+    rounds: 1.20x to 1.03x eager) and the peak from 80.7 to 85.2 MiB (a region keeps its
+    inputs until it returns).  Without a repeated block the whole graph is compiled.
 
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
