@@ -139,24 +139,32 @@ def test_batch_norm_running_statistics_inside_regions():
         assert b.norm.num_batches_tracked == rb.norm.num_batches_tracked == 1
 
 
-def test_transformer_encoder_layers():
+def test_transformer_encoder_layers_with_masks():
+    """The merged attention mask is computed in the first layer and read by all: it is glue,
+    so the first layer's forward region equals the others; the first layer's backward
+    differs (no cotangent for the undifferentiated input), the last one's too (its
+    cotangent arrives from the head)."""
     torch.manual_seed(0)
 
     class Enc(nn.Module):
         def __init__(self):
             super().__init__()
             layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-            self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.enc = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
             self.head = nn.Linear(16, 3)
 
-        def forward(self, x, y):
-            return F.cross_entropy(self.head(self.enc(x)).flatten(0, 1), y.flatten())
+        def forward(self, x, pad, y):
+            causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1],
+                                                                    dtype=x.dtype)
+            h = self.enc(x, mask=causal, src_key_padding_mask=pad)
+            return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
     model = Enc().double()
-    inputs = (torch.randn(2, 5, 16, dtype=torch.float64), torch.randint(0, 3, (2, 5)))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    inputs = (torch.randn(2, 5, 16, dtype=torch.float64), pad, torch.randint(0, 3, (2, 5)))
     step = joint_step(copy.deepcopy(model), *inputs, compile="eager", regions=True)
-    # the first layer's backward differs (no cotangent for the undifferentiated input)
-    assert step.regions.group_of == [0, 0, 0, 1, 1, 2]
+    assert step.regions.group_of == [0, 0, 0, 0, 1, 2, 2, 3]
     _check(step, model, inputs, atol=1e-12)
 
 

@@ -105,16 +105,30 @@ def _first_backward(nodes: list[fx.Node]) -> int:
 
 
 def _labels(nodes: list[fx.Node]) -> dict[fx.Node, str | None]:
-    """Each call node's block; a node without module information takes the block of its
-    first labelled user (the transpose at a block's start, written by a rule without the
-    module stack), else ``None`` (a guard, read by nothing: it stays where it is)."""
+    """Each call node's block (``meta['fxad_block']``), with three corrections:
+
+    * a node without module information takes the block of its first labelled user (the
+      transpose at a block's start, written by a rule without the module stack), else
+      ``None`` (a guard, read by nothing: it stays with its neighbours);
+    * a value read in three or more blocks (an attention mask computed in the first layer
+      and read by all), and a value read only by such values (and by its recomputation in
+      the backward), is glue, ``""``, so that the first layer's region equals the others;
+    * a forward value the backward recomputes takes the block of its first labelled user
+      (the backward region that needs it), not the block of its forward twin.
+    """
     out: dict[fx.Node, str | None] = {}
+    shared: set[fx.Node] = set()
     for n in reversed(nodes):
         if n.op not in _CALLS:
             continue
         b = n.meta.get(_BLOCK)
-        if b is None:
+        if b is None or n.meta.get("fxad_recomputed"):
             b = next((out[u] for u in n.users if out.get(u) is not None), None)
+        elif len({u.meta.get(_BLOCK) for u in n.users} - {None, ""}) >= 3 \
+                or (any(u in shared for u in n.users)
+                    and all(u in shared or u.meta.get("fxad_recomputed") for u in n.users)):
+            shared.add(n)  # and what only shared values (or their recomputations) read
+            b = ""
         out[n] = b
     return out
 
@@ -134,9 +148,20 @@ def _runs(nodes: list[fx.Node]) -> list[tuple[Any, list[fx.Node]]]:
             key = (b, "backward" if i >= boundary else "forward") if b else None
         if runs and runs[-1][0] == key:
             runs[-1][1].append(n)
+        elif len(runs) >= 2 and key is not None and runs[-1][0] is None \
+                and runs[-2][0] == key and _independent(runs[-1][1], runs[-2][1]):
+            glue = runs.pop()  # glue inside a block's run that does not read the run:
+            runs[-1][1].append(n)  # it runs before the region, which goes on
+            runs.insert(len(runs) - 1, glue)
         else:
             runs.append((key, [n]))
     return runs
+
+
+def _independent(glue: list[fx.Node], run: list[fx.Node]) -> bool:
+    """Whether no node of ``glue`` reads a node of ``run``."""
+    members = set(run)
+    return not any(a in members for n in glue for a in n.all_input_nodes)
 
 
 def _leaf_signature(x: Any) -> Any:
