@@ -17,9 +17,11 @@ strides and dtypes share one compiled function:
 2. :func:`plan_regions` walks the joint graph in order and cuts it into runs: maximal
    sequences of call nodes with the same ``(block, phase)`` key, where the phase is forward
    or backward by position (the backward's recomputations of forward values belong to the
-   backward).  An unlabelled node takes the block of its first labelled user, else joins
-   the run it sits in; parameter reads (``get_attr``) become inputs of the region and do
-   not cut a run.
+   backward).  Labels are corrected first (:func:`_labels`: nodes without module
+   information, values shared by many blocks such as an attention mask, recomputations);
+   parameter reads (``get_attr``) become inputs of the region and do not cut a run, and
+   glue found inside a block's run that neither reads the run nor has side effects runs
+   before the region, which goes on after it.
 3. Each run becomes a graph module of its own (inputs in first-use order, the values read
    after the run as outputs).  Runs are grouped by a structural signature: the ops, their
    constant arguments, how each argument is wired (which input, which earlier node), which
@@ -30,8 +32,9 @@ strides and dtypes share one compiled function:
    regions.
 
 Correctness does not depend on the labels: every run is an exact slice of the joint graph
-in its own order, and two runs share a compiled function only when their graphs are the
-same up to the names of their nodes.  Labels only decide how much is shared.
+in its own order (the only nodes moved are pure glue that reads nothing of the run), and two
+runs share a compiled function only when their graphs are the same up to the names of their
+nodes.  Labels only decide how much is shared.
 
 What is given up: inductor cannot fuse across a region's border (the forward's last
 elementwise op with the backward's first, a layer's last with the next one's first); the
@@ -50,6 +53,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..residuals.regions import _module_path_entries, _origin_meta
+from ..simplify._util import is_impure, is_random
 
 __all__ = ["tag_blocks", "plan_regions", "regional_graph", "RegionPlan"]
 
@@ -149,7 +153,7 @@ def _runs(nodes: list[fx.Node]) -> list[tuple[Any, list[fx.Node]]]:
         if runs and runs[-1][0] == key:
             runs[-1][1].append(n)
         elif len(runs) >= 2 and key is not None and runs[-1][0] is None \
-                and runs[-2][0] == key and _independent(runs[-1][1], runs[-2][1]):
+                and runs[-2][0] == key and _can_run_before(runs[-1][1], runs[-2][1]):
             glue = runs.pop()  # glue inside a block's run that does not read the run:
             runs[-1][1].append(n)  # it runs before the region, which goes on
             runs.insert(len(runs) - 1, glue)
@@ -158,10 +162,14 @@ def _runs(nodes: list[fx.Node]) -> list[tuple[Any, list[fx.Node]]]:
     return runs
 
 
-def _independent(glue: list[fx.Node], run: list[fx.Node]) -> bool:
-    """Whether no node of ``glue`` reads a node of ``run``."""
+def _can_run_before(glue: list[fx.Node], run: list[fx.Node]) -> bool:
+    """Whether ``glue`` (nodes after ``run`` in the graph) may run before it: no node of
+    ``glue`` reads one of ``run``, draws random numbers or has a side effect, and no node of
+    ``run`` has one (an in-place update ``glue`` might read)."""
     members = set(run)
-    return not any(a in members for n in glue for a in n.all_input_nodes)
+    return not any(is_impure(n) or is_random(n) for n in glue) \
+        and not any(is_impure(n) for n in run) \
+        and not any(a in members for n in glue for a in n.all_input_nodes)
 
 
 def _leaf_signature(x: Any) -> Any:

@@ -149,9 +149,10 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     :class:`fxad.training.regional.RegionPlan`, ``step.driver`` the graph module that calls
     the regions.  It trades step time and memory for set-up time: on transformers' GPT-2 at
     d=256 with 12 layers (2026-11-26, 2-core CPU, torch 2.13, float32, inductor cold) the
-    set-up fell from 50.1 to 19.9 s, the step rose from 516 to 646 ms (paired with eager's
-    rounds: 1.20x to 1.03x eager) and the peak from 80.7 to 85.2 MiB (a region keeps its
-    inputs until it returns).  Without a repeated block the whole graph is compiled.
+    set-up fell from 45.8 to 20.7 s, the step (paired with eager's) went from 1.07x to 1.04x
+    eager's speed and the peak from 80.7 to 85.2 MiB (a region keeps its inputs until it
+    returns); docs/performance.md has BERT and a 4-layer GPT-2.  Without a repeated block
+    the whole graph is compiled.
 
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
