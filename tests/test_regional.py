@@ -192,3 +192,16 @@ def test_inductor_regions_match_autograd():
     step = joint_step(copy.deepcopy(model), *inputs, regions=True)
     assert step.regions.group_of == [0, 0, 0, 1, 2, 2]
     _check(step, model, inputs, atol=1e-5)
+
+
+def test_regions_on_symbolic_sizes_serve_other_sizes():
+    torch.manual_seed(0)
+    model = Stack(widths=(8,) * 4).double()
+    step = joint_step(copy.deepcopy(model), *_inputs(), compile="eager", regions=True,
+                      dynamic=True)
+    assert step.regions.groups < len(step.regions.regions)  # symbolic shapes still group
+    g = torch.Generator().manual_seed(1)
+    other = (torch.randint(0, 11, (3, 7), generator=g), torch.randint(0, 11, (3, 7),
+                                                                      generator=g))
+    for inputs in (_inputs(), other):
+        _check(step, model, inputs, atol=1e-12)

@@ -187,8 +187,9 @@ def _leaf_signature(x: Any) -> Any:
 
 
 def _value_signature(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), tuple(v.stride()) if v.layout == torch.strided else None,
+    if isinstance(v, torch.Tensor):  # sizes as text: symbolic ones (SymInt) do not hash
+        return (str(tuple(v.shape)),
+                str(tuple(v.stride())) if v.layout == torch.strided else None,
                 str(v.dtype), str(v.device))
     return ("value", type(v).__name__, repr(v))
 
