@@ -18,7 +18,6 @@ The split runs in named steps (:func:`_partition`):
 from __future__ import annotations
 
 import re
-
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from torch.utils import _pytree as pytree
 from .. import codegen
 from ..errors import InputError
 from ..memory import nbytes, simulate
+from ..naming import op_kind
 from ..simplify._util import is_impure, is_random, resolve
 from .joint import joint_graph
 from .mincut import min_cut
@@ -407,10 +407,14 @@ def _block_headers(g: _Nodes, bwd: _BackwardBuilder, stmts: dict[str, str]
     for n in g.nodes:
         if "fxad_fwd_of" in n.meta:
             emitted.setdefault(n.meta["fxad_fwd_of"], []).append(n)
+    def forward_of(label: str) -> tuple[fx.Node | None, str]:
+        fname = resolve(graph, label)
+        value = _forward_node(label, fname, fwd_by_name, emitted)
+        return value, value.name if value is not None else fname
+
     relabel: dict[str, str] = {}
     for label, reads in bwd.block_reads.items():
-        value = _forward_node(label, resolve(graph, label), fwd_by_name, emitted)
-        fname = value.name if value is not None else resolve(graph, label)
+        value, fname = forward_of(label)
         stmt = stmts.get(fname, fname)
         b = sum(saved_cost(r) for r in reads)
         kind = residual_kind(value, emitted.get(label, ()), reads)
@@ -424,15 +428,9 @@ def _block_headers(g: _Nodes, bwd: _BackwardBuilder, stmts: dict[str, str]
         if of is not None:
             n.meta = dict(n.meta)
             if of not in relabel:
-                value = _forward_node(of, resolve(graph, of), fwd_by_name, emitted)
-                relabel[of] = stmts.get(value.name if value is not None else resolve(graph, of),
-                                        of)
+                relabel[of] = stmts.get(forward_of(of)[1], of)
             n.meta["fxad_bwd_of"] = relabel[of]
     return blocks
-
-
-def _base_name(name: str) -> str:
-    return re.sub(r"_\d+$", "", name)
 
 
 def _forward_node(label: str, fname: str, fwd_by_name: dict[str, fx.Node],
@@ -450,12 +448,8 @@ def _forward_node(label: str, fname: str, fwd_by_name: dict[str, fx.Node],
     calls = [c for c in emitted.get(label, ()) if c.op in ("call_function", "call_method")]
     if not calls:
         return n
-    base = _base_name(label)
-    for c in calls:
-        t = c.target if isinstance(c.target, str) else getattr(c.target, "__name__", "")
-        if t == base:
-            return c
-    return calls[-1]
+    base = re.sub(r"_\d+$", "", label)
+    return next((c for c in calls if op_kind(c) == base), calls[-1])
 
 
 def _backward_module(bg: fx.Graph, g: _Nodes, saved: list[fx.Node], recompute: set[fx.Node],

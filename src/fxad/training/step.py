@@ -18,7 +18,7 @@ from ..residuals import Checkpoint, Policy, joint_graph, partition
 from ..simplify.schedule import defer_widening_output_casts
 from .capture import _autocast_devices, _AutocastOff, _default_layout, _vjp_graph
 from .edited import edited_joint_step
-from .regional import plan_regions, regional_graph, tag_blocks
+from .regional import RegionPlan, plan_regions, regional_graph, tag_blocks
 
 __all__ = ["joint_step", "JOINT_INDUCTOR_OPTIONS", "inductor_available"]
 
@@ -182,7 +182,8 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     with value_policy(values):
         v = _vjp_graph(model, example_inputs, argnums, leaf_modules, channels_last,
                        dynamic_shapes=dynamic_shapes)
-    tag_blocks(v)
+    if regions and compile:
+        tag_blocks(v)  # before the partition, whose nodes keep the labels
     spec = v.meta["fxad_input_spec"]
     devices = _autocast_devices()
     out = v.graph.output_node().args[0]
@@ -192,6 +193,8 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
                          "scalar (the loss); use fxad.compile or fxad.vjp for other outputs")
     backend = (compile if isinstance(compile, str) or callable(compile) else "inductor") \
         if compile else None
+    plan: RegionPlan | None = None
+    driver: fx.GraphModule | None = None
     with _AutocastOff(devices):  # node dtypes as the code runs
         part = partition(v, policy, checkpoint=checkpoint)
         g = joint_graph(part, with_params=len(out) > 2)
@@ -211,7 +214,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
             driver = regional_graph(g, plan, compile_region)
             fn = driver.forward
         else:
-            plan = driver = None
+            plan = None
             fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
     if "fxad_shape_plan" in v.meta:  # decisions the passes took on symbolic sizes
         v.meta["fxad_shape_plan"].refresh(v)
@@ -230,6 +233,6 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
 
     step.graph_module = g  # type: ignore[attr-defined]
     step.partition = part  # type: ignore[attr-defined]
-    step.regions = plan if backend is not None else None  # type: ignore[attr-defined]
-    step.driver = driver if backend is not None else None  # type: ignore[attr-defined]
+    step.regions = plan  # type: ignore[attr-defined]
+    step.driver = driver  # type: ignore[attr-defined]
     return step
