@@ -195,31 +195,33 @@ def _value_signature(v: Any) -> Any:
 
 
 class _Region:
-    """One run: its inputs (external nodes in first-use order), outputs (nodes read after
-    it) and structural signature."""
+    """One run: its inputs (external nodes in first-use order), outputs (its nodes read
+    outside it) and structural signature."""
 
-    def __init__(self, label: str, run: list[fx.Node], read_later: set[fx.Node]) -> None:
+    def __init__(self, label: str, run: list[fx.Node]) -> None:
         self.label = label
         self.nodes = run
         members = set(run)
         index: dict[fx.Node, Any] = {}
         self.inputs: list[fx.Node] = []
+
+        def ref(a: fx.Node) -> Any:
+            if a in members:
+                return ("node", index[a])
+            if a not in index:
+                index[a] = ("input", len(self.inputs))
+                self.inputs.append(a)
+            return index[a]
+
         body = []
         for k, n in enumerate(run):
-            def ref(a: fx.Node) -> Any:
-                if a in members:
-                    return ("node", index[a])
-                if a not in index:
-                    index[a] = ("input", len(self.inputs))
-                    self.inputs.append(a)
-                return index[a]
             args = pytree.tree_map(lambda a: ref(a) if isinstance(a, fx.Node) else
                                    _leaf_signature(a), (n.args, n.kwargs))
             target = n.target if n.op != "call_module" else ("module", n.target)
             body.append((n.op, target, repr(pytree.tree_structure(args)),
                          tuple(pytree.tree_leaves(args))))
             index[n] = k
-        self.outputs = [n for n in run if n in read_later]
+        self.outputs = [n for n in run if any(u not in members for u in n.users)]
         ins = tuple(_value_signature(a.meta.get("val")) for a in self.inputs)
         outs = tuple(index[n] for n in self.outputs)
         self.signature = (tuple(body), ins, outs)
@@ -282,9 +284,7 @@ def plan_regions(gm: fx.GraphModule) -> RegionPlan:
         if key is None:
             plan.glue_nodes += len(run)
             continue
-        members = set(run)
-        later = {n for n in run if any(u not in members for u in n.users)}
-        r = _Region(f"{key[0]} {key[1]}", run, later)
+        r = _Region(f"{key[0]} {key[1]}", run)
         plan.regions.append(r)
         plan.group_of.append(groups.setdefault(r.signature, len(groups)))
     return plan
