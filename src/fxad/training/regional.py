@@ -118,7 +118,9 @@ def _labels(nodes: list[fx.Node]) -> dict[fx.Node, str | None]:
       and read by all), and a value read only by such values (and by its recomputation in
       the backward), is glue, ``""``, so that the first layer's region equals the others;
     * a forward value the backward recomputes takes the block of its first labelled user
-      (the backward region that needs it), not the block of its forward twin.
+      (the backward region that needs it), not the block of its forward twin; read by
+      three or more blocks' backward regions, it is glue (so that the first backward
+      region does not compute it for the others and differ from them).
     """
     out: dict[fx.Node, str | None] = {}
     shared: set[fx.Node] = set()
@@ -126,7 +128,11 @@ def _labels(nodes: list[fx.Node]) -> dict[fx.Node, str | None]:
         if n.op not in _CALLS:
             continue
         b = n.meta.get(_BLOCK)
-        if b is None or n.meta.get("fxad_recomputed"):
+        if n.meta.get("fxad_recomputed") and len({out.get(u) for u in n.users}
+                                                 - {None, ""}) >= 3:
+            shared.add(n)  # a recomputed shared value (the mask's float form): glue too
+            b = ""
+        elif b is None or n.meta.get("fxad_recomputed"):
             b = next((out[u] for u in n.users if out.get(u) is not None), None)
         elif len({u.meta.get(_BLOCK) for u in n.users} - {None, ""}) >= 3 \
                 or (any(u in shared for u in n.users)
