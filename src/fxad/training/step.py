@@ -2,6 +2,7 @@
 ``torch.compile``.  See :mod:`fxad.training`."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -152,7 +153,7 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     set-up fell from 45.8 to 20.7 s, the step (paired with eager's) went from 1.07x to 1.04x
     eager's speed and the peak from 80.7 to 85.2 MiB (a region keeps its inputs until it
     returns); docs/performance.md has BERT and a 4-layer GPT-2.  Without a repeated block
-    the whole graph is compiled.
+    the whole graph is compiled, with a warning.
 
     Raises:
         fxad.InputError: the model's output is not one floating-point scalar; the model is
@@ -214,6 +215,14 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
             driver = regional_graph(g, plan, compile_region)
             fn = driver.forward
         else:
+            if plan is not None:
+                warnings.warn(
+                    f"fxad.joint_step(regions=True): no two of the model's "
+                    f"{len(plan.regions)} block regions are the same graph (the entries of "
+                    f"its nn.ModuleList/nn.Sequential containers differ in their ops, shapes "
+                    f"or dtypes), so none would be compiled once for several blocks; "
+                    f"compiling the whole graph instead",
+                    stacklevel=2)
             plan = None
             fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
     if "fxad_shape_plan" in v.meta:  # decisions the passes took on symbolic sizes
