@@ -36,7 +36,9 @@ Reported per model, dtype (``fp32``; ``bf16``: the forward under
 model plus the first step, which captures or compiles it; the eager row shows its first
 step; ``joint`` and ``compile`` compile cold: inductor's in-memory caches cleared and a new
 cache directory for each, unless ``--inductor-cache DIR`` names one directory for the whole
-run, which measures warm set-ups when an earlier run filled it), the median step time over
+run, which measures warm set-ups when an earlier run filled it; inductor's once-per-process
+start-up is paid before any set-up is timed and printed on its own line), the median step
+time over
 interleaved rounds (each round runs every method for ``--block`` counted steps after one
 uncounted step), the ratio to eager and to ``torch.compile`` (``t_other / t``: above 1 is
 faster), the "paired" ratio to eager with its range (the median, minimum and maximum over
@@ -51,8 +53,11 @@ with eager's on one step from the same weights (largest difference relative to t
 gradient).
 
 ``--profile`` prints, per model, the ATen ops of one step of eager and ``fxad`` where their
-counts differ (those fxad calls more often first: the work to look at), and the ATen self CPU time per step of the most expensive ops (the profile
-that guides the work on fxad's generated code).
+counts differ (those fxad calls more often first: the work to look at), the ATen self CPU
+time per step of the most expensive ops (the profile that guides the work on fxad's
+generated code), and the share of eager's step in the arithmetic kernels fxad calls as eager
+does (matrix products, convolutions, recurrent layers, fused attention: ``BOUND_OPS``) with
+the speed-up a step would have if everything else took no time.
 
 Usage::
 
@@ -394,6 +399,16 @@ def peak_bytes(step: Step) -> float | None:
     return _peak_bytes(step, torch.device("cpu"), step.setup)  # type: ignore[attr-defined]
 
 
+# the ATen kernels whose time is arithmetic (vendor BLAS, oneDNN, the fused attention):
+# fxad calls them as eager does, so their share of eager's step bounds any gain from the
+# code around them (the --profile line "a step that ran only those")
+BOUND_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mkldnn_convolution", "convolution_backward",
+    "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward"})
+
+
 def op_profile(step: Step, steps: int = 3) -> tuple[collections.Counter, collections.Counter]:
     """ATen ops (top-level and nested) called per step, and their self CPU time per step
     (microseconds), over ``steps`` steps under the profiler."""
@@ -435,6 +450,27 @@ def _cold(method: str) -> Any:
     except ImportError:  # other torch versions
         return contextlib.nullcontext()
     return fresh_cache(delete=False)
+
+
+def start_inductor(threads: int) -> float | None:
+    """Pay inductor's once-per-process start-up before any set-up is timed: a tiny
+    function compiled in a throwaway cache (importing inductor, probing the CPU's vector
+    instructions by compiling a test program, starting the compile workers).  Whichever
+    method compiles first in a process pays it (about 10 s on the 2-core machine, where a
+    second compilation of the same tiny function takes about 2 s), so without this the
+    first compiled method's set-up would carry it and the later ones would not.  Returns the
+    seconds it took (``None`` when inductor cannot be imported)."""
+    try:
+        from torch._inductor.utils import fresh_cache
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    with fresh_cache():
+        fn = torch.compile(lambda x: torch.sin(x * 2.0).sum(0), backend="inductor")
+        fn(torch.randn(8, 8))
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+    return time.perf_counter() - t0
 
 
 
@@ -523,6 +559,13 @@ def print_row(row: dict[str, Any], args_top: int = 25) -> None:
         print(f"  self CPU ms per step, eager -> fxad (total {sum(ta.values()) / 1e3:.1f} -> "
               f"{sum(tb.values()) / 1e3:.1f}):")
         print("   " + ", ".join(f"{k} {ta[k] / 1e3:.1f}->{tb[k] / 1e3:.1f}" for k in top))
+        bound = sum(v for k, v in ta.items() if k in BOUND_OPS)
+        if bound:
+            print(f"  eager's matrix-product, convolution, recurrent and attention kernels: "
+                  f"{bound / 1e3:.1f} of {sum(ta.values()) / 1e3:.1f} ms "
+                  f"({100 * bound / sum(ta.values()):.0f}%); a step that ran only those, "
+                  f"as fast as eager runs them, would be "
+                  f"{sum(ta.values()) / bound:.2f}x eager")
     sys.stdout.flush()
 
 
@@ -541,16 +584,20 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
                   f"{_f(None if te is None else te / tk, '.2f')}x{ps} | "
                   f"{_f(None if tc is None else tc / tk, '.2f')}x | "
                   f"{_f(None if mem is None else mem / 2**20, '.1f')} |")
-    for k in ("fxad", "joint"):
+    def geomean(xs: list[float]) -> float:
+        return math.exp(statistics.mean(map(math.log, xs)))
+
+    methods = dict.fromkeys(k for row in rows for k in row["t"])
+    for k in [k for k in methods if k not in ("eager", "compile")]:
         r = [row["t"]["eager"] / row["t"][k] for row in rows
              if k in row["t"] and "eager" in row["t"]]
-        rc = [row["t"]["compile"] / row["t"][k] for row in rows
-              if k in row["t"] and "compile" in row["t"]]
+        both = [row for row in rows if k in row["t"] and "compile" in row["t"]]
         if r:
-            print(f"geomean {k} vs eager: {math.exp(statistics.mean(map(math.log, r))):.3f}x "
-                  f"({len(r)} rows)" + (f"; vs torch.compile: "
-                                         f"{math.exp(statistics.mean(map(math.log, rc))):.3f}x"
-                                         if rc else ""))
+            print(f"geomean {k} vs eager: {geomean(r):.3f}x ({len(r)} rows)" + (
+                f"; vs torch.compile: "
+                f"{geomean([row['t']['compile'] / row['t'][k] for row in both]):.3f}x, "
+                f"set-up {geomean([row['setup'][k] / row['setup']['compile'] for row in both]):.2f}"
+                f" of torch.compile's" if both else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -586,6 +633,11 @@ def main(argv: list[str] | None = None) -> int:
           f"repeats {args.repeats}, block {args.block}; methods {','.join(args.methods)}; "
           f"{'wall-clock' if args.wall else 'thread CPU'} time; "
           f"inductor cache {INDUCTOR_CACHE or 'cold (new per set-up)'}")
+    if any(m.partition(":")[0] in ("joint", "compile") for m in args.methods):
+        took = start_inductor(args.threads)
+        if took is not None:
+            print(f"inductor start-up in this process (paid before any set-up is timed, "
+                  f"counted in no row): {took:.1f} s")
     rows = []
     for key in args.models.split(","):
         for dt in args.dtypes:
