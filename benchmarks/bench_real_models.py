@@ -452,13 +452,14 @@ def _cold(method: str) -> Any:
     return fresh_cache(delete=False)
 
 
-def start_inductor(threads: int) -> float | None:
+def start_inductor(threads: int, device: str = "cpu") -> float | None:
     """Pay inductor's once-per-process start-up before any set-up is timed: a tiny
     function compiled in a throwaway cache (importing inductor, probing the CPU's vector
     instructions by compiling a test program, starting the compile workers).  Whichever
     method compiles first in a process pays it (about 10 s on the 2-core machine, where a
     second compilation of the same tiny function takes about 2 s), so without this the
-    first compiled method's set-up would carry it and the later ones would not.  Returns the
+    first compiled method's set-up would carry it and the later ones would not.  On
+    ``device="cuda"`` the function is compiled for the GPU (Triton's start-up).  Returns the
     seconds it took (``None`` when inductor cannot be imported)."""
     try:
         from torch._inductor.utils import fresh_cache
@@ -467,7 +468,9 @@ def start_inductor(threads: int) -> float | None:
     t0 = time.perf_counter()
     with fresh_cache():
         fn = torch.compile(lambda x: torch.sin(x * 2.0).sum(0), backend="inductor")
-        fn(torch.randn(8, 8))
+        fn(torch.randn(8, 8, device=device))
+        if device == "cuda":
+            torch.cuda.synchronize()
     torch._dynamo.reset()
     torch.set_num_threads(threads)
     return time.perf_counter() - t0
