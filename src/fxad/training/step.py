@@ -149,10 +149,11 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
     (embeddings, output layer, loss) runs uncompiled.  ``step.regions`` is the
     :class:`fxad.training.regional.RegionPlan`, ``step.driver`` the graph module that calls
     the regions.  It trades step time and memory for set-up time: on transformers' GPT-2 at
-    d=256 with 12 layers (2026-11-26, 2-core CPU, torch 2.13, float32, inductor cold) the
-    set-up fell from 45.8 to 20.7 s, the step (paired with eager's) went from 1.07x to 1.04x
-    eager's speed and the peak from 80.7 to 85.2 MiB (a region keeps its inputs until it
-    returns); docs/performance.md has BERT and a 4-layer GPT-2.  Without a repeated block
+    d=256 with 12 layers (2026-11-26, 2-core CPU, torch 2.13, float32, inductor cold, its
+    once-per-process start-up not counted) the set-up fell from 49.5 to 13.5 s
+    (``torch.compile(model)``: 64.7 s), the step (paired with eager's) went from 1.03x to
+    1.00x eager's speed and the peak from 80.7 to 85.2 MiB (a region keeps its inputs until
+    it returns); docs/performance.md has the other real models.  Without a repeated block
     the whole graph is compiled, with a warning.
 
     Raises:
