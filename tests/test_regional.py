@@ -207,3 +207,20 @@ def test_regions_on_symbolic_sizes_serve_other_sizes():
                                                                       generator=g))
     for inputs in (_inputs(), other):
         _check(step, model, inputs, atol=1e-12)
+
+
+
+def test_regions_without_blocks_warn_and_compile_the_whole_graph():
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+
+    def loss(w, x):  # no modules at all
+        return torch.tanh(x @ w).pow(2).sum()
+
+    with pytest.warns(UserWarning, match="the model has no repeated block"):
+        step = joint_step(loss, w, x, compile="eager", regions=True, argnums=0)
+    assert step.regions is None and step.driver is None
+    value, (d_w, d_x) = step(w, x)  # a function: no parameter gradients
+    torch.testing.assert_close(value, loss(w, x))
+    torch.testing.assert_close(d_w, torch.func.grad(loss)(w, x))
+    assert d_x is None

@@ -217,13 +217,14 @@ def joint_step(model: torch.nn.Module | Callable, *example_inputs: Any,
             fn = driver.forward
         else:
             if plan is not None:
-                warnings.warn(
-                    f"fxad.joint_step(regions=True): no two of the model's "
-                    f"{len(plan.regions)} block regions are the same graph (the entries of "
-                    f"its nn.ModuleList/nn.Sequential containers differ in their ops, shapes "
-                    f"or dtypes), so none would be compiled once for several blocks; "
-                    f"compiling the whole graph instead",
-                    stacklevel=2)
+                found = (f"no two of the model's {len(plan.regions)} block regions are the "
+                         f"same graph (the entries of its nn.ModuleList/nn.Sequential "
+                         f"containers differ in their ops, shapes or dtypes)"
+                         if plan.regions else "the model has no repeated block (no entries "
+                         "of nn.ModuleList/nn.Sequential containers)")
+                warnings.warn(f"fxad.joint_step(regions=True): {found}, so none would be "
+                              f"compiled once for several blocks; compiling the whole graph "
+                              f"instead", stacklevel=2)
             plan = None
             fn = torch.compile(g.forward, backend=backend, **compile_kwargs)
     if "fxad_shape_plan" in v.meta:  # decisions the passes took on symbolic sizes
