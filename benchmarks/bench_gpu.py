@@ -13,11 +13,11 @@ Reported per method: the set-up seconds (wrapping or compiling the model plus th
 step, which captures or compiles it; ``joint`` and ``compile`` compile cold: inductor's
 in-memory caches cleared and a new cache directory for each; inductor's once-per-process
 start-up is paid before any set-up is timed and printed on its own line), the median step
-time in ms
-over interleaved rounds (each round runs every method for ``--block`` timed steps after one
-untimed step; CUDA events around the block), the ratio to eager and to ``torch.compile``
-(``t_other / t``: above 1 is faster), the peak GPU memory of a step as if the model were
-alone on the GPU (its parameters plus the most ``torch.cuda.max_memory_allocated`` rose
+time in ms over interleaved rounds (each round runs every method for ``--block`` timed
+steps after one untimed step; CUDA events around the block), the ratio to eager and to
+``torch.compile`` (``t_other / t``: above 1 is faster), the peak GPU memory of a step as if
+the model were alone on the GPU (its parameters plus the most
+``torch.cuda.max_memory_allocated`` rose
 above the level at the step's start, the previous gradients released first), and the
 largest difference of one step's gradients from eager's, every method starting that step
 from eager's weights (relative to the largest gradient; bfloat16 autocast rounds
@@ -190,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[str, nn.Module] = {}
     setup: dict[str, float] = {}
     spent = 0.0
-    if any(m.partition(":")[0] in ("joint", "compile") for m in methods):
-        took = start_inductor(torch.get_num_threads(), DEVICE)
-        if took is not None:
-            print(f"inductor start-up in this process (paid before any set-up is timed, "
-                  f"counted in no method): {took:.1f} s", flush=True)
+    start_inductor(methods, DEVICE)
     for m in methods:
         if spent > args.setup_budget:
             print(f"{m}: left out (set-ups took {spent:.0f} s)", flush=True)

@@ -38,9 +38,8 @@ step; ``joint`` and ``compile`` compile cold: inductor's in-memory caches cleare
 cache directory for each, unless ``--inductor-cache DIR`` names one directory for the whole
 run, which measures warm set-ups when an earlier run filled it; inductor's once-per-process
 start-up is paid before any set-up is timed and printed on its own line), the median step
-time over
-interleaved rounds (each round runs every method for ``--block`` counted steps after one
-uncounted step), the ratio to eager and to ``torch.compile`` (``t_other / t``: above 1 is
+time over interleaved rounds (each round runs every method for ``--block`` counted steps
+after one uncounted step), the ratio to eager and to ``torch.compile`` (``t_other / t``: above 1 is
 faster), the "paired" ratio to eager with its range (the median, minimum and maximum over
 the rounds of the ratio of the two block medians in the same round: a drift of the machine's
 speed between rounds cancels within each pair) and the peak tensor memory of one step (bytes
@@ -438,12 +437,18 @@ def grad_err(ref: nn.Module, other: nn.Module) -> float:
 # --------------------------------------------------------------------------- one row
 
 
+def _compiles(method: str) -> bool:
+    """Whether ``method`` (``joint``, ``joint:regions``, ``compile``, ...) compiles with
+    inductor."""
+    return method.partition(":")[0] in ("joint", "compile")
+
+
 def _cold(method: str) -> Any:
     """Around the set-up of an inductor method without ``--inductor-cache``: inductor's
     in-memory caches cleared and a new empty cache directory, so that its set-up is a cold
     compile that reuses no kernel another row or method compiled (the kernels of the GPT-2,
     BERT and ViT layers are largely the same)."""
-    if INDUCTOR_CACHE is not None or method.partition(":")[0] not in ("joint", "compile"):
+    if INDUCTOR_CACHE is not None or not _compiles(method):
         return contextlib.nullcontext()
     try:
         from torch._inductor.utils import fresh_cache
@@ -452,19 +457,22 @@ def _cold(method: str) -> Any:
     return fresh_cache(delete=False)
 
 
-def start_inductor(threads: int, device: str = "cpu") -> float | None:
-    """Pay inductor's once-per-process start-up before any set-up is timed: a tiny
-    function compiled in a throwaway cache (importing inductor, probing the CPU's vector
-    instructions by compiling a test program, starting the compile workers).  Whichever
-    method compiles first in a process pays it (about 10 s on the 2-core machine, where a
-    second compilation of the same tiny function takes about 2 s), so without this the
-    first compiled method's set-up would carry it and the later ones would not.  On
-    ``device="cuda"`` the function is compiled for the GPU (Triton's start-up).  Returns the
-    seconds it took (``None`` when inductor cannot be imported)."""
+def start_inductor(methods: list[str], device: str = "cpu") -> None:
+    """When one of ``methods`` compiles, pay inductor's once-per-process start-up before
+    any set-up is timed and print how long it took: a tiny function compiled in a throwaway
+    cache (importing inductor, probing the CPU's vector instructions by compiling a test
+    program, starting the compile workers).  Whichever method compiles first in a process
+    pays it (about 10 s on the 2-core machine, where a second compilation of the same tiny
+    function takes about 2 s), so without this the first compiled method's set-up would
+    carry it and the later ones would not.  On ``device="cuda"`` the function is compiled
+    for the GPU (Triton's start-up).  Nothing happens when inductor cannot be imported."""
+    if not any(_compiles(m) for m in methods):
+        return
     try:
         from torch._inductor.utils import fresh_cache
     except ImportError:
-        return None
+        return
+    threads = torch.get_num_threads()
     t0 = time.perf_counter()
     with fresh_cache():
         fn = torch.compile(lambda x: torch.sin(x * 2.0).sum(0), backend="inductor")
@@ -473,9 +481,8 @@ def start_inductor(threads: int, device: str = "cpu") -> float | None:
             torch.cuda.synchronize()
     torch._dynamo.reset()
     torch.set_num_threads(threads)
-    return time.perf_counter() - t0
-
-
+    print(f"inductor start-up in this process (paid before any set-up is timed, counted in "
+          f"no set-up): {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def bench(key: str, bf16: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -562,13 +569,12 @@ def print_row(row: dict[str, Any], args_top: int = 25) -> None:
         print(f"  self CPU ms per step, eager -> fxad (total {sum(ta.values()) / 1e3:.1f} -> "
               f"{sum(tb.values()) / 1e3:.1f}):")
         print("   " + ", ".join(f"{k} {ta[k] / 1e3:.1f}->{tb[k] / 1e3:.1f}" for k in top))
-        bound = sum(v for k, v in ta.items() if k in BOUND_OPS)
+        bound, total = sum(v for k, v in ta.items() if k in BOUND_OPS), sum(ta.values())
         if bound:
             print(f"  eager's matrix-product, convolution, recurrent and attention kernels: "
-                  f"{bound / 1e3:.1f} of {sum(ta.values()) / 1e3:.1f} ms "
-                  f"({100 * bound / sum(ta.values()):.0f}%); a step that ran only those, "
-                  f"as fast as eager runs them, would be "
-                  f"{sum(ta.values()) / bound:.2f}x eager")
+                  f"{bound / 1e3:.1f} of {total / 1e3:.1f} ms ({100 * bound / total:.0f}%); "
+                  f"a step that ran only those, as fast as eager runs them, would be "
+                  f"{total / bound:.2f}x eager")
     sys.stdout.flush()
 
 
@@ -636,11 +642,7 @@ def main(argv: list[str] | None = None) -> int:
           f"repeats {args.repeats}, block {args.block}; methods {','.join(args.methods)}; "
           f"{'wall-clock' if args.wall else 'thread CPU'} time; "
           f"inductor cache {INDUCTOR_CACHE or 'cold (new per set-up)'}")
-    if any(m.partition(":")[0] in ("joint", "compile") for m in args.methods):
-        took = start_inductor(args.threads)
-        if took is not None:
-            print(f"inductor start-up in this process (paid before any set-up is timed, "
-                  f"counted in no row): {took:.1f} s")
+    start_inductor(args.methods)
     rows = []
     for key in args.models.split(","):
         for dt in args.dtypes:

@@ -209,7 +209,6 @@ def test_regions_on_symbolic_sizes_serve_other_sizes():
         _check(step, model, inputs, atol=1e-12)
 
 
-
 def test_regions_without_blocks_warn_and_compile_the_whole_graph():
     torch.manual_seed(0)
     w, x = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)

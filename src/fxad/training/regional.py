@@ -122,19 +122,22 @@ def _labels(nodes: list[fx.Node]) -> dict[fx.Node, str | None]:
       three or more blocks' backward regions, it is glue (so that the first backward
       region does not compute it for the others and differ from them).
     """
+    def in_many_blocks(blocks: Any) -> bool:
+        return len(set(blocks) - {None, ""}) >= 3
+
     out: dict[fx.Node, str | None] = {}
     shared: set[fx.Node] = set()
     for n in reversed(nodes):
         if n.op not in _CALLS:
             continue
         b = n.meta.get(_BLOCK)
-        if n.meta.get("fxad_recomputed") and len({out.get(u) for u in n.users}
-                                                 - {None, ""}) >= 3:
+        recomputed = n.meta.get("fxad_recomputed")
+        if recomputed and in_many_blocks(out.get(u) for u in n.users):
             shared.add(n)  # a recomputed shared value (the mask's float form): glue too
             b = ""
-        elif b is None or n.meta.get("fxad_recomputed"):
+        elif b is None or recomputed:
             b = next((out[u] for u in n.users if out.get(u) is not None), None)
-        elif len({u.meta.get(_BLOCK) for u in n.users} - {None, ""}) >= 3 \
+        elif in_many_blocks(u.meta.get(_BLOCK) for u in n.users) \
                 or (any(u in shared for u in n.users)
                     and all(u in shared or u.meta.get("fxad_recomputed") for u in n.users)):
             shared.add(n)  # and what only shared values (or their recomputations) read
