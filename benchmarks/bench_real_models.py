@@ -61,7 +61,7 @@ the speed-up a step would have if everything else took no time.
 Usage::
 
     python benchmarks/bench_real_models.py [--models gpt2,bert,vit,resnet18,lstm,encoder]
-        (also gpt2-12: the same GPT-2 with 12 layers)
+        (also gpt2-12, gpt2-24: the same GPT-2 with 12 or 24 layers)
         [--dtypes fp32,bf16] [--methods eager,fxad,joint,compile] [--repeats 15]
         [--block 3] [--threads 1] [--quick] [--profile] [--bf16-batch 1] [--wall]
         [--inductor-cache DIR]
@@ -288,9 +288,11 @@ MODELS: dict[str, tuple[str, Callable[[int, torch.Generator], tuple[nn.Module, t
     "resnet18": ("ResNet-18 B{B} 64x64", build_resnet18, 8),
     "lstm": ("nn.LSTM 2x256 B{B} T64", build_lstm, 8),
     "encoder": ("nn.TransformerEncoder L4 d256 B{B} T128", build_encoder, 4),
-    # not in the default list: the deeper GPT-2 of the regional-compilation figures
+    # not in the default list: the deeper GPT-2s of the regional-compilation figures
     "gpt2-12": ("GPT-2 (transformers) L12 d256 B{B} T128",
                 lambda b, g: build_gpt2(b, g, layers=12), 4),
+    "gpt2-24": ("GPT-2 (transformers) L24 d256 B{B} T128",
+                lambda b, g: build_gpt2(b, g, layers=24), 4),
 }
 DEFAULT_MODELS = ("gpt2", "bert", "vit", "resnet18", "lstm", "encoder")
 METHODS = ("eager", "fxad", "joint", "compile")
