@@ -808,3 +808,91 @@ def test_buffer_updates_in_a_branch_happen_once_as_in_eager(builder):
         for (name, b), want_b in zip(m.named_buffers(), ref.buffers()):
             torch.testing.assert_close(b, want_b, msg=f"{name} after seed {seed}")
     assert 0 < int(ref.bn.num_batches_tracked) < len(SEEDS)
+
+
+# pytest rewrites the `assert` statements of test modules into `if`s: the models with plain
+# assertions live in a module of their own, written and imported by the fixture
+_CHECKED = """
+import torch
+import torch.nn as nn
+
+
+class CheckedDropout(nn.Module):
+    \"\"\"An ``assert`` on values after dropout (as I-BERT's activation quantizer does).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = nn.functional.dropout(torch.tanh(self.lin(x)), 0.5, training=self.training)
+        assert not h.isnan().any(), "NaN after dropout"
+        assert h.abs().max() < 1e6 and h.sum() == h.sum()
+        return (h * x).sum()
+
+
+def either(x):
+    h = nn.functional.dropout(x, 0.5)
+    assert (h > 0).any() or (h <= 0).all()
+    return h.sum()
+"""
+
+
+@pytest.fixture
+def checked(tmp_path):
+    import importlib.util
+    path = tmp_path / "checked_models.py"
+    path.write_text(_CHECKED)
+    spec = importlib.util.spec_from_file_location("checked_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_assert_on_a_random_draw_is_checked_on_every_call(checked):
+    """An assertion's test on a dropped-out value cannot be taken at build time, but the
+    program goes on only where it holds: the code takes that path and checks it each call."""
+    torch.manual_seed(0)
+    m = checked.CheckedDropout().double().train()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = fxad.grad(m, x)
+    assert g.code.count("fxad_expect('assert'") == 3, g.code
+    assert "torch.cond" not in g.code
+    for seed in range(4):
+        torch.manual_seed(seed)
+        value, (d_x,), d_p = g(x)
+        xr = x.clone().requires_grad_()
+        m.zero_grad()
+        torch.manual_seed(seed)
+        ref = m(xr)
+        ref.backward()
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(d_x, xr.grad)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(d_p[name], p.grad)
+    bad = x.clone()
+    bad[0, 0] = float("nan")  # NaN in the input: tanh(lin(x)) is NaN in a whole row
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError, match=r"assert not h\.isnan\(\)\.any\(\)"):
+        g(bad)
+
+
+def test_assert_with_or_on_a_random_draw_is_refused(checked):
+    # `assert a or b`: a False `a` goes on to test `b`, so `a` is a real two-way decision
+    with pytest.raises(DataDependentError, match="random draw"):
+        fxad.grad(checked.either, torch.randn(5))
+
+
+def test_compile_steps_through_an_assert_on_a_random_draw(checked):
+    torch.manual_seed(0)
+    m = checked.CheckedDropout().train()
+    ref = copy.deepcopy(m)
+    step = fxad.compile(m)
+    x = torch.randn(3, 4)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        step(x).backward()
+        torch.manual_seed(seed)
+        ref(x).backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

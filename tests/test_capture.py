@@ -300,3 +300,39 @@ def test_builtins_and_bound_methods_are_functions_of_their_arguments():
 def test_where_method_is_normalized_with_its_condition_first():
     gm = fxad.trace(lambda x: x.where(x > 0, x * 2), torch.randn(3))
     assert "torch.where(gt, x, mul)" in gm.code
+
+
+def test_numpy_keyword_names_become_pytorchs():
+    """PyTorch's C++-bound functions take NumPy's ``axis=``/``keepdims=``/``x=`` for
+    ``dim=``/``keepdim=``/``input=``; the rules bind PyTorch's names (I-BERT's
+    ``x.mean(axis=2, keepdim=True)``)."""
+    def f(x):
+        a = x.mean(axis=1, keepdims=True)
+        b = torch.sum(x, axis=0)
+        c = torch.amax(x, axis=-1, keepdims=True)
+        return (a * c).sum() + (b * b).sum() + torch.exp(input=x).sum()
+
+    gm = capture(f, (torch.randn(3, 4),))
+    assert "axis" in gm.code and "keepdims" in gm.code  # as captured
+    code = normalize(gm).code
+    assert "axis" not in code and "keepdims" not in code
+    x = torch.randn(3, 4, dtype=torch.float64)
+    value, (d_x,) = fxad.grad(f, x)(x)
+    xr = x.clone().requires_grad_()
+    ref = f(xr)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach())
+    torch.testing.assert_close(d_x, xr.grad)
+
+
+def test_a_python_defined_torch_function_keeps_its_own_keyword_names():
+    # torch.functional.tensordot is Python with parameters named `a` and `b`, not the C++
+    # parser's NumPy alias `a` of `input`; torch.sum is C++-bound
+    from fxad.capture.normalize import _canonical
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    dot = g.call_function(torch.functional.tensordot, (), {"a": x, "b": w, "dims": 1})
+    total = g.call_function(torch.sum, (dot,), {"axis": 0, "keepdims": True})
+    assert _canonical(dot) is None
+    assert _canonical(total) == ("call_function", torch.sum, (dot,),
+                                 {"dim": 0, "keepdim": True})

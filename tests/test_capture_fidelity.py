@@ -324,3 +324,77 @@ def test_module_attributes_assigned_by_the_program_are_restored_and_reported():
     torch.testing.assert_close(value, out.detach())
     torch.testing.assert_close(d_x, rx.grad)
     torch.testing.assert_close(d_params["lin.weight"], ref.lin.weight.grad)
+
+
+class _MaskOnEagerPathOnly(nn.Module):
+    """As transformers' SwitchTransformers / LongT5 encoders: the mask made only on the eager
+    path (``not is_compiling()``), then indexed on both."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():
+            mask = torch.ones(x.shape[0], x.shape[1], dtype=x.dtype)
+        return torch.tanh(self.lin(x)) * mask[:, :, None]
+
+
+def test_a_program_failing_on_its_compile_path_is_captured_on_its_eager_path():
+    torch.manual_seed(0)
+    _grads_match(_MaskOnEagerPathOnly().double(), torch.randn(2, 3, 4, dtype=D))
+    # with the mask given, the compile path serves (is_compiling() stays True)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
+    _grads_match(_MaskOnEagerPathOnly().double(), torch.randn(2, 3, 4, dtype=D), mask)
+
+
+def test_a_program_failing_on_both_paths_reports_the_compile_paths_error():
+    def f(x):
+        if torch.compiler.is_compiling():
+            raise ValueError("compile path")
+        raise KeyError("eager path")
+
+    with pytest.raises(ValueError, match="compile path"):
+        fxad.grad(f, torch.randn(3))
+
+    def g(x):  # never asks is_compiling(): its error, without a second capture
+        calls.append(1)
+        raise KeyError("no path")
+
+    calls = []
+    with pytest.raises(KeyError, match="no path"):
+        fxad.grad(g, torch.randn(3))
+    assert len(calls) == 1
+
+
+def test_a_fxad_error_on_the_eager_path_is_the_one_reported():
+    def f(x):
+        if torch.compiler.is_compiling():
+            raise ValueError("compile path")
+        return x[x > 0].sum()  # a data-dependent size: fxad's refusal names the fix
+
+    with pytest.raises(fxad.errors.DataDependentError, match="guard\\+sizes"):
+        fxad.grad(f, torch.randn(5))
+
+
+class _ConvertsItsRouter(nn.Module):
+    """As SwitchTransformers' router: ``self.classifier = self.classifier.to(self.dtype)``."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.classifier = nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype))
+
+
+def test_module_to_that_converts_nothing_inside_forward():
+    torch.manual_seed(0)
+    m = _ConvertsItsRouter(torch.float64).double()
+    _grads_match(m, torch.randn(2, 4, dtype=D))
+    # a conversion that changes the parameters is refused, naming the line
+    m = _ConvertsItsRouter(torch.float32).double()
+    with pytest.raises(fxad.errors.CaptureError, match="nn.Parameter is created"):
+        fxad.grad(m, torch.randn(2, 4, dtype=D))

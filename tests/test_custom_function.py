@@ -2,6 +2,8 @@
 code, never the derivative of its forward ops (issue: no silent wrong answer)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -195,3 +197,125 @@ def test_generated_code_runs_after_to_folder(tmp_path):
                          check=True).stdout
     want = _autograd(f, torch.arange(5, dtype=D))[0]
     assert [float(v) for v in out.strip()[1:-1].split(",")] == want.tolist()
+
+
+# -- operators of other libraries: torch.library.custom_op with register_autograd ------------
+
+@torch.library.custom_op("fxad_test_lib::blend", mutates_args=())
+def _blend(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, k: float, *,
+           scale: float = 1.0) -> torch.Tensor:
+    return x * w * (k * scale) + s
+
+
+@_blend.register_fake
+def _(x, w, s, k, *, scale=1.0):
+    return torch.empty_like(x)
+
+
+def _blend_setup(ctx, inputs, keyword_only_inputs, output):
+    x, w, s, k = inputs
+    ctx.save_for_backward(x, w)
+    ctx.k = k * keyword_only_inputs["scale"]
+
+
+def _blend_backward(ctx, d):
+    x, w = ctx.saved_tensors
+    # deliberately not the true derivative in x: the registered formula must be the one used
+    return d * w * ctx.k + d, d * x * ctx.k, d, None
+
+
+_blend.register_autograd(_blend_backward, setup_context=_blend_setup)
+
+
+@torch.library.custom_op("fxad_test_lib::pair", mutates_args=())
+def _pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()
+
+
+@_pair.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _pair_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _pair_backward(ctx, d_sin, d_cos):
+    (x,) = ctx.saved_tensors
+    return d_sin * x.cos() - d_cos * x.sin()
+
+
+_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
+
+
+def _blended(x, w, s):
+    a, b = torch.ops.fxad_test_lib.pair(x)
+    return (torch.ops.fxad_test_lib.blend(a, w, s, 2.0, scale=0.5).tanh() * b).sum()
+
+
+def test_library_op_backward_is_captured_as_code():
+    """Another library's ``custom_op`` with ``register_autograd`` is differentiated by its
+    own formula, written into the VJP code (no autograd fallback, no recomputed forward),
+    as eager autograd does: Python floats (one keyword-only), two outputs."""
+    x, w, s = (torch.randn(5, dtype=D) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxad.FallbackWarning)
+        g = fxad.grad(_blended, x, w, s, argnums=(0, 1, 2))
+    code = g.code
+    assert "fxad_autograd_vjp" not in code
+    assert code.count("torch.ops.fxad_test_lib.blend(") == 1  # the forward, once
+    assert code.count("torch.ops.fxad_test_lib.pair(") == 1
+    assert "ctx" not in code and "d * w" not in code  # the formula's ops, as code
+    value, grads = g(x, w, s)
+    req = [t.clone().requires_grad_() for t in (x, w, s)]
+    ref = _blended(*req)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach())
+    for got, r in zip(grads, req):
+        torch.testing.assert_close(got, r.grad if r.grad is not None else torch.zeros_like(r))
+
+
+def test_library_op_forward_mode_and_compile():
+    x, w, s = (torch.randn(5, dtype=D) for _ in range(3))
+    tx, tw, ts = (torch.randn(5, dtype=D) for _ in range(3))
+    _, t_out = fxad.jvp(_blended, x, w, s)(x, w, s, tx, tw, ts)
+    # forward mode transposes the registered backward: the JVP of the same (wrong) formula
+    _, (gx, gw, gs) = fxad.grad(_blended, x, w, s, argnums=(0, 1, 2))(x, w, s)
+    torch.testing.assert_close(t_out, (gx * tx).sum() + (gw * tw).sum() + (gs * ts).sum())
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, dtype=D))
+
+        def forward(self, x, s):
+            return _blended(x, self.w, s)
+
+    m = M()
+    ref = M()
+    ref.load_state_dict(m.state_dict())
+    fxad.compile(m)(x, s).backward()
+    ref(x, s).backward()
+    torch.testing.assert_close(m.w.grad, ref.w.grad)
+
+
+def test_a_rule_registered_in_fxad_wins_over_the_library_formula():
+    op = torch.ops.fxad_test_lib.pair
+
+    def fwd(x):
+        return op(x), x
+
+    def bwd(x, d):
+        d_sin, d_cos = d
+        return (d_sin * 0 + d_cos * 0 + 7,)
+
+    fxad.register_vjp(op, fwd, bwd, source="test: a deliberately wrong rule")
+    try:
+        x = torch.randn(3, dtype=D)
+        g = fxad.grad(lambda x: sum(op(x)).sum(), x)
+        assert "autograd_function" not in g.code
+        torch.testing.assert_close(g(x)[1][0], torch.full_like(x, 7.0))
+    finally:
+        from fxad.rules.registry import unregister
+        unregister(op)

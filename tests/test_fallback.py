@@ -145,10 +145,11 @@ def test_warning_can_be_turned_into_an_error(name):
             getattr(fxad, name)(_two_fallbacks, x)
 
 
-def test_custom_torch_library_op_uses_its_autograd_formula_with_a_warning():
-    # an op another library registered with torch.library: fxad has no rule, so the op's own
-    # registered autograd formula serves (the autograd fallback, announced); one without a
-    # formula is a MissingRuleError at build time
+def test_custom_torch_library_op_with_a_formula_and_without():
+    # an op another library made with torch.library.custom_op and register_autograd: its
+    # backward is captured as code (tests/test_custom_function.py), no fallback; one defined
+    # with torch.library.define and given a formula: the autograd fallback, announced; one
+    # without a formula: a MissingRuleError at build time
     from fxad.rules.fallback import FallbackWarning
 
     lib = "fxad_test_ns"
@@ -170,6 +171,18 @@ def test_custom_torch_library_op_uses_its_autograd_formula_with_a_warning():
 
     cube.register_autograd(backward, setup_context=setup)
 
+    torch.library.define(f"{lib}::cube_defined", "(Tensor x) -> Tensor")
+
+    @torch.library.impl(f"{lib}::cube_defined", "cpu")
+    def _(x):
+        return x * x * x
+
+    @torch.library.register_fake(f"{lib}::cube_defined")
+    def _(x):
+        return torch.empty_like(x)
+
+    torch.library.register_autograd(f"{lib}::cube_defined", backward, setup_context=setup)
+
     @torch.library.custom_op(f"{lib}::square_no_grad", mutates_args=())
     def square(x: torch.Tensor) -> torch.Tensor:
         return x * x
@@ -179,8 +192,14 @@ def test_custom_torch_library_op_uses_its_autograd_formula_with_a_warning():
         return torch.empty_like(x)
 
     x = torch.randn(4, dtype=torch.float64)
-    with pytest.warns(FallbackWarning, match=f"torch.ops.{lib}.cube"):
+    want = 3 * torch.sin(x) ** 2 * torch.cos(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
         g = fxad.grad(lambda x: torch.ops.fxad_test_ns.cube(torch.sin(x)).sum(), x)
-    torch.testing.assert_close(g(x)[1][0], 3 * torch.sin(x) ** 2 * torch.cos(x))
+    assert "fxad_autograd_vjp" not in g.code
+    torch.testing.assert_close(g(x)[1][0], want)
+    with pytest.warns(FallbackWarning, match=f"torch.ops.{lib}.cube_defined"):
+        g = fxad.grad(lambda x: torch.ops.fxad_test_ns.cube_defined(torch.sin(x)).sum(), x)
+    torch.testing.assert_close(g(x)[1][0], want)
     with pytest.raises(fxad.MissingRuleError, match="square_no_grad"):
         fxad.grad(lambda x: torch.ops.fxad_test_ns.square_no_grad(x).sum(), x)

@@ -43,27 +43,30 @@ def test_gpt2_default_cache_concatenates_a_legacy_empty_tensor():
 
 # --- models beyond the suite: constructs found by trying more transformers models -------------
 
-def _param_grads_match(model, inputs, dtype, tol):
+def _param_grads_match(model, inputs, dtype, tol, seeds=(3,), **options):
     """fxad.grad's value and parameter gradients vs eager autograd with inputs that do not
-    require grad (as users train), under one seed; the module's state is left as eager's."""
+    require grad (as users train), under each of ``seeds``; the module's state is left as
+    eager's.  ``options`` go to :func:`fxad.grad`."""
     import copy
 
     import fxad
     model = model.to(dtype).train()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     before = copy.deepcopy(model.state_dict())
-    g = fxad.grad(model, *inputs)
-    torch.manual_seed(3)
-    value, _, d_params = g(*inputs)
-    model.load_state_dict(before)
-    torch.manual_seed(3)
-    model.zero_grad(set_to_none=True)
-    ref = model(*inputs)
-    ref.backward()
-    torch.testing.assert_close(value, ref.detach(), rtol=tol, atol=tol)
-    for name, p in model.named_parameters():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(d_params[name], want, rtol=tol, atol=tol, msg=name)
+    g = fxad.grad(model, *inputs, **options)
+    for seed in seeds:
+        model.load_state_dict(before)
+        torch.manual_seed(seed)
+        value, _, d_params = g(*inputs)
+        model.load_state_dict(before)
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        ref = model(*inputs)
+        ref.backward()
+        torch.testing.assert_close(value, ref.detach(), rtol=tol, atol=tol)
+        for name, p in model.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(d_params[name], want, rtol=tol, atol=tol, msg=name)
     return g
 
 
@@ -108,23 +111,70 @@ def test_ctrl_numpy_scalar_and_module_attribute_rebinding():
     assert type(model.transformer.pos_encoding) is torch.Tensor
 
 
-def test_mixtral_experts_custom_op_through_the_fallback_with_a_warning():
+def test_mixtral_experts_custom_op_backward_as_code():
     # transformers' MoE experts call its torch.library op `transformers::grouped_mm_fallback`
-    # on the compile path (fxad answers is_compiling() like Dynamo): differentiated through the
-    # op's registered autograd formula, and the build says so
+    # on the compile path (fxad answers is_compiling() like Dynamo): differentiated by the
+    # op's registered autograd formula, captured as code (its backward op in the VJP code)
+    import warnings
+
     import fxad
     from fxad.tools.models import LossOf
-    from fxad.rules.fallback import FallbackWarning
     model = _from_config("mixtral", "AutoModelForCausalLM", num_hidden_layers=2, hidden_size=32,
                          num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
                          vocab_size=64, max_position_embeddings=64, num_local_experts=4,
                          num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with pytest.warns(FallbackWarning, match="grouped_mm_fallback"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxad.FallbackWarning)
         # float32: eager's F.grouped_mm has no float64 CPU kernel
-        _param_grads_match(LossOf(model, ("input_ids",), "logits"), (ids,), torch.float32,
-                           2e-5)
-    assert fxad.rules.fallback.is_fallback(torch.ops.transformers.grouped_mm_fallback)
+        g = _param_grads_match(LossOf(model, ("input_ids",), "logits"), (ids,), torch.float32,
+                               2e-5)
+    assert g.code.count("torch.ops.transformers.grouped_mm_fallback_backward(") == 4
+
+
+def test_longt5_without_attention_mask_on_its_eager_path():
+    # LongT5's transient-global attention indexes an attention mask it creates only when not
+    # is_compiling(): capture fails on the compile path and goes on on the eager one
+    from fxad.tools.models import LossOf
+    model = _from_config("longt5", "AutoModel", d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                         num_layers=1, num_decoder_layers=1, vocab_size=64,
+                         decoder_start_token_id=0, local_radius=4, global_block_size=4,
+                         encoder_attention_type="transient-global", dropout_rate=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (2, 12), generator=g)
+    _param_grads_match(LossOf(model, ("input_ids", "decoder_input_ids"), "last_hidden_state"),
+                       (ids, ids[:, :7]), torch.float64, 1e-9)
+
+
+def test_switch_transformers_experts_picked_by_name():
+    # its router converts itself to the router dtype in forward (a no-op here), and its
+    # experts are picked by `self[f"expert_{expert_idx[0]}"]` over the nonzero expert hits:
+    # with values="guard+sizes", a build specialized on the experts hit, guarded
+    from fxad.tools.models import LossOf
+    model = _from_config("switch_transformers", "AutoModel", d_model=32, d_ff=64, d_kv=8,
+                         num_heads=4, num_layers=2, num_decoder_layers=2,
+                         num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                         num_experts=4, vocab_size=64, decoder_start_token_id=0,
+                         router_jitter_noise=0.0, dropout_rate=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (2, 12), generator=g)
+    code = _param_grads_match(
+        LossOf(model, ("input_ids", "decoder_input_ids"), "last_hidden_state"),
+        (ids, ids[:, :7]), torch.float32, 2e-5, values="guard+sizes").code
+    assert "nonzero_static" in code and "'item'" in code
+
+
+def test_ibert_asserts_on_dropped_out_values():
+    # I-BERT's activation quantizer asserts on values after dropout (a random draw) and calls
+    # x.mean(axis=2): the assertion is checked on every call, the NumPy keyword is PyTorch's
+    from fxad.tools.models import LossOf
+    model = _from_config("ibert", "AutoModel", num_hidden_layers=2, hidden_size=32,
+                         num_attention_heads=4, intermediate_size=64, vocab_size=64,
+                         max_position_embeddings=64)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    code = _param_grads_match(LossOf(model, ("input_ids",), "last_hidden_state"), (ids,),
+                              torch.float64, 1e-9, seeds=(0, 1)).code
+    assert "fxad_expect('assert'" in code and "axis" not in code
 
 
 def test_mamba_associative_scan():

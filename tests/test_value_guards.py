@@ -573,3 +573,51 @@ def test_module_first_imported_inside_the_program_keeps_real_constants(tmp_path,
     scale = __import__("sys").modules[name].SCALE
     assert type(scale) is torch.Tensor
     torch.testing.assert_close(f(x), (x * scale).sum())
+
+
+class _NamedExperts(nn.Module):
+    """A module picked by a name formatted from a tensor (SwitchTransformers' experts:
+    ``self[f"expert_{expert_idx[0]}"]``), beside a print of another tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleDict({f"expert_{i}": nn.Linear(3, 3) for i in range(3)})
+
+    def forward(self, x, scores):
+        best = scores.argmax()
+        out = self.experts[f"expert_{best}"](x).sum()
+        print(f"expert {best}: {out:.3f}")
+        return out
+
+
+def test_tensor_formatted_into_a_name_is_a_guarded_decision(capsys):
+    torch.manual_seed(0)
+    m = _NamedExperts().double()
+    x = torch.randn(2, 3, dtype=D)
+    pick_1 = torch.tensor([0.1, 0.9, 0.2], dtype=D)
+    pick_2 = torch.tensor([0.9, 0.1, 0.2], dtype=D)
+    g = fxad.grad(m, x, pick_1)
+    assert g.code.count("fxad_expect(") == 1 and "'item'" in g.code  # the name, not the print
+    assert "<fxad-value" not in g.code
+    value, (d_x, _), d_p = g(x, pick_1)
+    xr = x.clone().requires_grad_()
+    m.zero_grad()
+    ref = m(xr, pick_1)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach())
+    torch.testing.assert_close(d_x, xr.grad)
+    torch.testing.assert_close(d_p["experts.expert_1.weight"], m.experts.expert_1.weight.grad)
+    assert f"expert 1: {ref.item():.3f}" in capsys.readouterr().out  # printed at call time
+    with pytest.raises(fxad.ValueGuardError, match="expert_"):
+        g(x, pick_2)
+    c = fxad.compile(m)  # a build per expert picked
+    for scores in (pick_1, pick_2):
+        m.zero_grad()
+        c(x, scores).backward()
+        grads = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad()
+        m(x, scores).backward()
+        assert grads.keys() == {k for k, p in m.named_parameters() if p.grad is not None}
+        for k, v in grads.items():
+            torch.testing.assert_close(v, dict(m.named_parameters())[k].grad)
+    assert len(c.builds) == 2

@@ -355,6 +355,7 @@ QUESTIONS: dict[str, Any] = {
     "count_nonzero": lambda t: int(torch.count_nonzero(t)),
     "sum_int": lambda t: int(t.sum()),
     "layout": lambda t: layout_of(t),
+    "assert": torch.Tensor.__bool__,
 }
 
 
@@ -420,12 +421,19 @@ def expect(question: str, operands: tuple, taken: Any, where: str,
     Raises:
         ValueGuardError: the answer differs; the message names ``where``, the question and
             both values.
+        AssertionError: question ``"assert"`` (an ``assert`` statement on a value computed
+            from a random draw) and the assertion fails for this call, as the program
+            would raise; no other build could serve it.
     """
     if _abstract(operands):
         return
     now = QUESTIONS[question](*operands, **(options or {}))
     if _same(now, taken):
         return
+    if question == "assert":  # an assert on a random draw: what the program raises
+        raise AssertionError(f"{where}: the assertion does not hold for this call (fxad "
+                             "checks an assertion on a value drawn anew on every call each "
+                             "time the code runs)")
     if question == "layout":
         raise ValueGuardError(
             f"{where}: the program reads the memory layout of a tensor computed from this "

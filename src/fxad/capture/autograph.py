@@ -53,6 +53,7 @@ are refused with a :class:`~fxad.errors.DataDependentError` naming the line.
 from __future__ import annotations
 
 import contextlib
+import dis
 import gc
 import linecache
 import sys
@@ -362,6 +363,47 @@ def random_decision(cap: Any, tensor: Any, loc: SourceLoc | None) -> NoReturn:
     if not _converted_at(new, loc):
         _refuse(loc, _why_not_here(new, loc))
     raise RestartCapture([(f, new) for f in funcs])
+
+
+# instructions that may sit between a truth test and its conditional jump, or after the jump
+_PASS_THROUGH = ("CACHE", "EXTENDED_ARG", "NOP", "NOT_TAKEN")
+
+
+def assertion_outcome(loc: SourceLoc | None) -> bool | None:
+    """When the truth value being asked at ``loc`` (in the user's frame) is the test of an
+    ``assert`` statement, the one with which the program goes on: one successor of the
+    conditional jump that consumes it raises ``AssertionError`` (``LOAD_ASSERTION_ERROR``),
+    so only the other outcome continues (``True`` for ``assert t``, ``False`` for ``assert
+    not t``, each operand's for ``assert a and b``).  None for any other decision, ``assert
+    a or b`` included (a False ``a`` goes on to test ``b``), and where the frame or the
+    instruction cannot be found (a test made inside a library call of the line)."""
+    frame = _user_frame(loc)
+    if frame is None:
+        return None
+    ins = list(dis.get_instructions(frame.f_code))
+    at = {x.offset: k for k, x in enumerate(ins)}
+    k = at.get(frame.f_lasti)
+    if k is None:
+        return None
+
+    def real(j: int | None) -> int | None:
+        while j is not None and j < len(ins) and ins[j].opname in _PASS_THROUGH:
+            j += 1
+        return j if j is not None and j < len(ins) else None
+
+    if ins[k].opname in ("TO_BOOL", "COMPARE_OP"):  # 3.13: the test, then the jump
+        k = real(k + 1)
+        if k is None:
+            return None
+    op = ins[k].opname
+    if "JUMP" not in op or not ("IF_FALSE" in op or "IF_TRUE" in op):
+        return None
+    jumps_on = "IF_TRUE" in op  # the truth value that takes the jump
+    for successor, outcome in ((real(at.get(ins[k].argval)), jumps_on),
+                               (real(k + 1), not jumps_on)):
+        if successor is not None and ins[successor].opname == "LOAD_ASSERTION_ERROR":
+            return not outcome
+    return None
 
 
 def _refuse(loc: SourceLoc | None, why: str) -> NoReturn:

@@ -23,6 +23,10 @@ inputs.  ``set_materialize_grads(False)`` is accepted, but the backward always r
 tensors (zeros for unused outputs): for a backward linear in its cotangents, as backward
 functions are, that gives the same result.
 
+An operator another library defines with ``torch.library.custom_op`` and an autograd formula
+(``register_autograd``) is captured the same way, as the Function that formula makes
+(:func:`library_autograd`): the op as one node, its registered ``backward`` as code.
+
 Checkpoint regions
 ------------------
 ``torch.utils.checkpoint.checkpoint(fn, *args, ...)`` (both implementations, and through
@@ -44,6 +48,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError, InplaceError
 from ..graph.proxy import fake_mode, user_source_loc
 from ..ops import autograd_function
+from ..rules.registry import lookup
 from .normalize import normalize
 from .state import current, has_tensor, snapshot
 
@@ -277,6 +282,82 @@ def apply_custom_function(cap: Any, cls: type, args: tuple, kwargs: dict) -> Any
         return out
     cap.bind_outputs(value, node)
     return value
+
+
+# -- operators of other libraries with an autograd formula ---------------------------------
+
+_OWN_FORWARD: set[Any] = set()  # library ops whose forward is being recorded as one node
+
+
+def library_autograd(cap: Any, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Capture a call of an operator another library defined with ``torch.library.custom_op``
+    and gave an autograd formula (``register_autograd``: ``torch.ops.transformers.
+    grouped_mm_fallback``, the mixture-of-experts product of transformers on CPU) as PyTorch
+    differentiates it: as the ``torch.autograd.Function`` that formula makes.  The op is
+    recorded as one node (without derivative), its ``setup_context`` runs on the capture's
+    ``ctx`` and its ``backward`` is captured as code (:func:`apply_custom_function`), so the
+    VJP code calls the library's own backward instead of re-running the op under autograd.
+
+    Returns:
+        The op's output, or ``NotImplemented`` when the op is none of those: a PyTorch op, an
+        op registered otherwise, one without a formula, one with tensor-list arguments or
+        results, one with a rule registered in fxad (which wins), or the op's own forward.
+    """
+    if op in _OWN_FORWARD:
+        return NotImplemented
+    overload = op.default if isinstance(op, torch._ops.OpOverloadPacket) \
+        and hasattr(op, "default") else op
+    if not isinstance(overload, torch._ops.OpOverload) \
+            or overload.namespace in ("aten", "prims", "prim", "quantized", "_quantized"):
+        return NotImplemented
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - older torch
+        return NotImplemented
+    opdef = OPDEFS.get(f"{overload.namespace}::{overload._opname}")
+    backward = getattr(opdef, "_backward_fn", None)
+    own = lookup(op) or lookup(overload)
+    if backward is None or (own is not None and not own.builtin):
+        return NotImplemented
+    schema = overload._schema
+    if any(isinstance(a.type, torch.ListType) for a in (*schema.arguments, *schema.returns)):
+        return NotImplemented
+    positional, keyword_only = [], {}
+    for i, a in enumerate(schema.arguments):
+        if not a.kwarg_only and i < len(args):
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        elif a.has_default_value():
+            value = a.default_value
+        else:
+            return NotImplemented  # a call the op rejects: let the ordinary path say so
+        if a.kwarg_only:
+            keyword_only[a.name] = value
+        else:
+            positional.append(value)
+    setup = getattr(opdef, "_setup_context_fn", None)
+    has_kwarg_only = any(a.kwarg_only for a in schema.arguments)
+
+    def forward(*inputs: Any) -> Any:
+        _OWN_FORWARD.add(op)
+        try:
+            return op(*inputs, **keyword_only)
+        finally:
+            _OWN_FORWARD.discard(op)
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        if setup is None:
+            return
+        if has_kwarg_only:
+            setup(ctx=ctx, inputs=inputs, keyword_only_inputs=keyword_only, output=output)
+        else:
+            setup(ctx=ctx, inputs=inputs, output=output)
+
+    cls = type(overload._opname, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward)})
+    return apply_custom_function(cap, cls, tuple(positional), {})
 
 
 def _representable(a: Any) -> bool:

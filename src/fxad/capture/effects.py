@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import CaptureError, SourceLoc
 from ..graph.proxy import to_fake, user_source_loc
 from ..naming import code_builtin
-from .printed import marker, printed_node
+from .printed import marker, printed_node, printed_text
 from .state import current, has_tensor
 
 try:
@@ -203,20 +203,38 @@ _MARK = re.compile(r"<fxad-value (\d+)>")
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
-def _formatted_by_user() -> bool:
-    """The code that asked torch to format the tensor is the program's (an f-string or
-    ``str(t)`` there), not fxad's own nor the standard library's (``logging`` formatting a
-    message)."""
-    frame = sys._getframe(1)
+def _formatting_frame() -> Any:
+    """The program's frame that asked torch to format the tensor (an f-string or ``str(t)``
+    there), or None when the code asking is fxad's own or the standard library's
+    (``logging`` formatting a message)."""
+    frame = sys._getframe(2)
     # fxad's dispatch of the call, then torch's (Tensor.__format__, handle_torch_function)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAD_DIR):
         frame = frame.f_back
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
         frame = frame.f_back
     if frame is None:
-        return False
+        return None
     name = os.path.abspath(frame.f_code.co_filename)
-    return not name.startswith((_FXAD_DIR, _STDLIB)) or "site-packages" in name
+    return frame if not name.startswith((_FXAD_DIR, _STDLIB)) or "site-packages" in name \
+        else None
+
+
+def formats_a_value(cap: Any, method: str, args: tuple) -> bool:
+    """``format(t, spec)`` of a 0-d integer or boolean traced tensor in the program's own
+    code, into text the program uses otherwise than printing it (a module's name:
+    ``self[f"expert_{i}"]`` in SwitchTransformers' experts;
+    :func:`fxad.capture.printed.printed_text`): a value of the program, whose text the
+    capture takes from the real value, as a decision guarded on every call
+    (:func:`fxad.capture.decisions.decide`).  A floating-point value formatted into text
+    (a message for a warning or an exception) keeps the marker of :func:`formatted`."""
+    t = args[0] if args else None
+    if method != "__format__" or not isinstance(t, torch.Tensor) or t.dim() != 0 \
+            or t.is_floating_point() or t.is_complex() or id(t) not in cap.env \
+            or cap.lift is not None:
+        return False
+    frame = _formatting_frame()
+    return frame is not None and not printed_text(frame)
 
 
 def formatted(cap: Any, method: str, args: tuple) -> str | None:
@@ -225,7 +243,7 @@ def formatted(cap: Any, method: str, args: tuple) -> str | None:
     ``print`` of a string holding it prints ``'...{:.3f}'.format(t)``); None when the call
     is not the program's (it then formats the fake value as usual)."""
     if not args or id(args[0]) not in cap.env or cap.lift is not None \
-            or not _formatted_by_user():
+            or _formatting_frame() is None:
         return None
     spec = args[1] if method == "__format__" and len(args) > 1 else ""
     return marker(cap, args[0], method, spec)

@@ -1,8 +1,9 @@
 """What is patched while a program is captured, and the capture it routes to.
 
 While :func:`capture_environment` is active, ``torch.compiler.is_compiling()`` is True (as
-under Dynamo, so library code takes its traceable path), and these entry points are routed
-through the current capture session (:func:`fxad.capture.state.current`):
+under Dynamo, so library code takes its traceable path; False inside :func:`compiling_answer`,
+for a program whose traceable path fails), and these entry points are routed through the
+current capture session (:func:`fxad.capture.state.current`):
 ``nn.Module.__call__`` (:meth:`fxad.capture.session.Session.call_module`), custom
 ``autograd.Function.apply`` and both ``torch.utils.checkpoint`` implementations
 (:mod:`fxad.capture.custom`), ``torch.cond`` / ``while_loop`` / ``scan`` / ``map`` /
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import contextvars
 import inspect
 from typing import Any, Callable, Iterable, Iterator
 
@@ -37,6 +39,45 @@ from .effects import (effect_patches, generator_inputs_kept, numpy_state_kept,
 from .patching import namespace_patches
 from .python_state import announce, snapshot
 from .state import current, has_tensor, switched_to
+
+
+def _converts_nothing(mod: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``mod.to(*args, **kwargs)`` leaves every parameter and buffer as it is: the
+    same device, the same dtype for the floating-point and complex ones (the only ones
+    ``Module.to`` casts), the memory format already held."""
+    try:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    except (TypeError, RuntimeError):
+        return False
+    for t in (*mod.parameters(), *mod.buffers()):
+        if device is not None and (t.device.type != device.type or (
+                device.index is not None and t.device.index != device.index)):
+            return False
+        if dtype is not None and (t.is_floating_point() or t.is_complex()) \
+                and t.dtype != dtype:
+            return False
+        if memory_format is not None and t.dim() == 4 \
+                and not t.is_contiguous(memory_format=memory_format):
+            return False
+    return True
+
+
+# what torch.compiler.is_compiling() answers under capture, and a list the patched function
+# appends to whenever the program asks
+_COMPILING: contextvars.ContextVar[tuple[bool, list]] = contextvars.ContextVar(
+    "fxad_is_compiling", default=(True, []))
+
+
+@contextlib.contextmanager
+def compiling_answer(answer: bool) -> Iterator[list]:
+    """Within, captures answer ``torch.compiler.is_compiling()`` with ``answer``; yields a
+    list that is non-empty once the captured program has asked."""
+    asked: list = []
+    token = _COMPILING.set((answer, asked))
+    try:
+        yield asked
+    finally:
+        _COMPILING.reset(token)
 
 
 @contextlib.contextmanager
@@ -127,6 +168,18 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
                      "parameters, such as a loss, may be built in forward)")
         return orig_param_new(cls, data, requires_grad)
     patched.append((torch.nn.Parameter, "__new__", orig_param_new, staticmethod(param_new)))
+    orig_module_to = torch.nn.Module.to
+
+    def module_to(mod: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # ``self.router = self.router.to(self.dtype)`` in forward (SwitchTransformers): a
+        # conversion that changes nothing returns the module, as eager's does in effect;
+        # one that converts a tensor goes on (and a new Parameter is refused above)
+        active = current()
+        if active is not None and not active.suspended and _converts_nothing(mod, args,
+                                                                             kwargs):
+            return mod
+        return orig_module_to(mod, *args, **kwargs)
+    patched.append((torch.nn.Module, "to", orig_module_to, module_to))
     patched.append((function_cls, "apply", orig_apply, classmethod(apply)))
     orig_import = builtins.__import__
 
@@ -169,9 +222,15 @@ def _patches(user_globals: Iterable[dict] = ()) -> Iterator[None]:
             setattr(ns, name, new)
         for glob, name, fn in globs:
             glob[name] = leaf(fn)
+        answer, asked = _COMPILING.get()
         if old_flag is not None:
-            compiler._is_compiling_flag = True
-        compiler.is_compiling = lambda: True  # type: ignore[assignment]
+            compiler._is_compiling_flag = answer
+
+        def is_compiling() -> bool:
+            asked.append(True)
+            return answer
+
+        compiler.is_compiling = is_compiling  # type: ignore[assignment]
         yield
     finally:
         for ns, name, orig, _ in reversed(patched):

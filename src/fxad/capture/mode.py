@@ -24,10 +24,12 @@ from ..graph.proxy import describe_target, user_source_loc
 from .calls import (DATA_FUNCTIONS, DATA_METHODS, IDUNDER, LAYOUT_METHODS, NOT_INPLACE,
                     VIEW_PROPERTIES, call_body, method_name, node_form, out_of_place_function,
                     takes_callable)
+from .custom import library_autograd
 from .decisions import (current_policy, data_dependent_size, decide, has_examples,
-                        python_sizes, question_of, read_layout)
-from .effects import formatted
+                        python_sizes, question_of)
+from .effects import formats_a_value, formatted
 from .inplace import inplace, setitem
+from .layouts import read_layout
 from .printed import printed_number
 from .state import has_tensor
 from .values import is_data_dependent, known_answer, note_known
@@ -59,6 +61,9 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
     if prop is not None:
         return _property(cap, func, prop, args, kwargs)
     if method in ("__format__", "__repr__", "__str__"):  # an f-string in the program's code
+        if formats_a_value(cap, method, args):  # text the program uses: a guarded decision
+            value = decide(cap, torch.Tensor.item, "item", (args[0],), {})
+            return format(value, args[1] if len(args) > 1 else "")
         text = formatted(cap, method, args)  # (fxad.capture.effects: re-formatted by print)
         if text is not None:
             return text
@@ -131,6 +136,12 @@ def handle(cap: Any, func: Any, args: tuple, kwargs: dict) -> Any:  # noqa: C901
     if method is None and takes_callable(func, args, kwargs):
         with cap.mode:
             return call_body(func, args, kwargs)
+    # -- another library's operator with an autograd formula: its backward captured as code
+    if method is None and isinstance(func, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        with cap.mode:  # (inside this handler the mode is off: the op's forward records)
+            out = library_autograd(cap, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
     # -- an ordinary call
     args, kwargs = python_sizes(cap, func, method, args, kwargs)  # sizes from Python numbers
     versions = [(a, a._version) for a in pytree.tree_leaves((args, kwargs))

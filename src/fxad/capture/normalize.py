@@ -17,6 +17,8 @@ After :func:`normalize`:
 * ``torch.nn.functional.relu/tanh/sigmoid/softmax/log_softmax`` (the Python wrappers) become
   ``torch.relu`` / ``torch.tanh`` / ``torch.sigmoid`` / ``torch.softmax`` / ``torch.log_softmax``.
 * ``x.new_zeros(shape)`` and friends become ``torch.zeros(shape, dtype=..., device=...)``.
+* NumPy's keyword names, which PyTorch's C++-bound functions and methods take as aliases,
+  become PyTorch's: ``x.mean(axis=2, keepdims=True)`` → ``torch.mean(x, dim=2, keepdim=True)``.
 
 In-place operations are already rewritten out-of-place during capture (see
 :mod:`fxad.capture.tracer`).  Each rewrite is checked: the new node's fake value must have
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import operator
+import types
 from typing import Any, Callable
 
 import torch
@@ -79,9 +82,38 @@ def _val(a: Any) -> Any:
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
-def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:  # noqa: C901
+# NumPy's keyword names that PyTorch's C++ argument parser takes for its own (``x.mean(axis=2,
+# keepdims=True)``): one spelling for the rules, which bind PyTorch's names
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input",
+                "x1": "input", "x2": "other"}
+
+
+def _numpy_names_renamed(node: fx.Node) -> dict:
+    """``node.kwargs`` with NumPy's keyword names as PyTorch's, for a call of a C++-bound
+    torch function or Tensor method (a Python-defined one keeps its own names)."""
+    kwargs = dict(node.kwargs)
+    if not any(k in _NUMPY_NAMES for k in kwargs):
+        return kwargs
+    t = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
+    if not isinstance(t, (types.BuiltinFunctionType, types.MethodDescriptorType)) \
+            or not (getattr(t, "__module__", None) or "torch").startswith("torch"):
+        return kwargs
+    return {(_NUMPY_NAMES[k] if k in _NUMPY_NAMES and _NUMPY_NAMES[k] not in kwargs else k): v
+            for k, v in kwargs.items()}
+
+
+def _canonical(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:
     """The canonical (op, target, args, kwargs) for ``node``, or None when already canonical."""
-    op, t, args, kwargs = node.op, node.target, node.args, dict(node.kwargs)
+    kwargs = _numpy_names_renamed(node)
+    canon = _canonical_call(node, kwargs)
+    if canon is None and kwargs != dict(node.kwargs):
+        return node.op, node.target, node.args, kwargs
+    return canon
+
+
+def _canonical_call(node: fx.Node,  # noqa: C901
+                    kwargs: dict) -> tuple[str, Any, tuple, dict] | None:
+    op, t, args = node.op, node.target, node.args
     if op == "call_method":
         name = t
         if name in _METHOD_TO_OPERATOR:

@@ -141,7 +141,8 @@ def program_error_of(e: BaseException) -> BaseException | None:
     if isinstance(e, FxadError):
         cause = e.__cause__
         if isinstance(e, CaptureError) and not isinstance(e, DataDependentError) \
-                and type(cause).__module__ == "builtins" and program_error_of(cause):
+                and cause is not None and type(cause).__module__ == "builtins" \
+                and program_error_of(cause):
             loc = getattr(e, "loc", None)
             if loc is not None:  # the program's line that called torch
                 cause._fxad_line = f"{loc.filename}:{loc.lineno}"  # type: ignore[union-attr]

@@ -113,10 +113,11 @@ def _parsed(text: str) -> Any:
     return _SOURCE_TREES[key]
 
 
-def _call_at(filename: str, pos: tuple) -> Any:
-    """The ``ast.Call`` spanning ``pos`` (line, end line, column, end column) in the source of
-    ``filename`` (with parent links), or None.  A file that does not parse as a whole (code
-    shown on a page) is read statement by statement: the lines around ``pos`` that parse."""
+def _call_at(filename: str, pos: tuple, kinds: tuple = (ast.Call,)) -> Any:
+    """The ``ast.Call`` (a node of ``kinds``) spanning ``pos`` (line, end line, column, end
+    column) in the source of ``filename`` (with parent links), or None.  A file that does
+    not parse as a whole (code shown on a page) is read statement by statement: the lines
+    around ``pos`` that parse."""
     lines = linecache.getlines(filename)
     line, end_line, col, end_col = pos
     if not lines or end_line > len(lines):
@@ -133,7 +134,7 @@ def _call_at(filename: str, pos: tuple) -> Any:
         if tree is None:
             continue
         want = (line - skip, end_line - skip, col - shift, end_col - shift)
-        hit = next((n for n in ast.walk(tree) if isinstance(n, ast.Call)
+        hit = next((n for n in ast.walk(tree) if isinstance(n, kinds)
                     and (n.lineno, n.end_lineno, n.col_offset, n.end_col_offset) == want),
                    None)
         if hit is not None:
@@ -184,19 +185,23 @@ def _sink(frame: Any, call: ast.Call) -> str | None:
     return None
 
 
+def _executing(frame: Any, kinds: tuple = (ast.Call,)) -> Any:
+    """The expression (a node of ``kinds``) of the program's source that ``frame`` is
+    executing, found by the instruction's position, or None."""
+    code = frame.f_code
+    try:
+        pos = list(code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError):  # pragma: no cover - Python < 3.11
+        return None
+    return None if None in pos else _call_at(code.co_filename, pos, kinds)
+
+
 def _only_printed(frame: Any, method: str) -> bool:
     """The call the frame is executing is ``<expr>.item()`` / ``float(<expr>)`` /
     ``int(<expr>)``, and its value goes only into a ``print`` of the builtin (no ``file=``)
     or a logging call (:func:`_sink`): as an argument (``float(t)`` / ``int(t)``: only so),
     or through f-string fields and ``'...'.format(...)`` arguments."""
-    code = frame.f_code
-    try:
-        pos = list(code.co_positions())[frame.f_lasti // 2]
-    except (AttributeError, IndexError):  # pragma: no cover - Python < 3.11
-        return False
-    if None in pos:
-        return False
-    call = _call_at(code.co_filename, pos)
+    call = _executing(frame)
     if call is None or call.keywords:
         return False
     if method == "item":
@@ -226,6 +231,35 @@ def _only_printed(frame: Any, method: str) -> bool:
             node = parent  # '...'.format(value)
         else:
             return False
+
+
+_TEXT_CALLS = ("str", "repr", "format")
+
+
+def printed_text(frame: Any) -> bool:
+    """The formatting of a value the frame is executing (an f-string, ``str(t)``,
+    ``repr(t)``, ``format(t, spec)``, ``'...'.format(t)``, ``'...' % t``) makes text that
+    goes only into a ``print`` or logging call (:func:`_sink`), directly or through other
+    such formatting and string concatenation."""
+    node = _executing(frame, (ast.Call, ast.JoinedStr, ast.BinOp))
+    while node is not None:
+        parent = getattr(node, "fxad_parent", None)
+        if isinstance(parent, ast.Call) and node in parent.args:
+            sink = _sink(frame, parent)
+            if sink is not None:
+                return not (sink == "log" and parent.args.index(node) == 0)
+            text = (isinstance(parent.func, ast.Name) and parent.func.id in _TEXT_CALLS
+                    and parent.func.id not in frame.f_locals
+                    and parent.func.id not in frame.f_globals) \
+                or (isinstance(parent.func, ast.Attribute) and parent.func.attr == "format"
+                    and isinstance(parent.func.value, (ast.Constant, ast.JoinedStr)))
+            if not text:
+                return False
+        elif not (isinstance(parent, (ast.FormattedValue, ast.JoinedStr))
+                  or isinstance(parent, ast.BinOp) and isinstance(parent.op, (ast.Add, ast.Mod))):
+            return False
+        node = parent
+    return False
 
 
 def printed_number(cap: Any, method: str, args: tuple) -> Any:

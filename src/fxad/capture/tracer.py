@@ -102,7 +102,7 @@ Modules (each imports only those listed before it, and fxad's lower layers)
   rebuilt after their storage changed.
 * :mod:`~fxad.capture.values`: the known values, and the inputs they guard.
 * :mod:`~fxad.capture.decisions`: decisions on tensor values taken on the real example
-  value, and their guards.
+  value, and their guards; :mod:`~fxad.capture.layouts`: memory layouts read as values.
 * :mod:`~fxad.capture.inplace`: in-place operations and ``x[i] = v``, recorded out of place.
 * :mod:`~fxad.capture.mode`: the TorchFunctionMode and the dispatch of each torch call.
 * :mod:`~fxad.capture.control` and :mod:`~fxad.capture.custom`: ``torch.cond`` & co., custom
@@ -135,6 +135,7 @@ from ..errors import DataDependentError, InputError, SourceLoc
 from ..graph.proxy import compute_meta, fake_mode, to_fake
 from .autograph import MAX_RESTARTS, RestartCapture, attached_graphs, patched
 from .decisions import note_example
+from .environment import compiling_answer
 from .module_state import module_state, restore_module_state, warn_rebound
 from .outputs import OUTPUT_SPEC, output_spec
 from .paths import (Forks, ForkSite, capture_paths, current_forks, forks_scope,
@@ -321,6 +322,12 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
             leaf_modules: Iterable[type] = ()) -> fx.GraphModule:
     """Trace ``f`` on ``example_inputs`` into a torch-level GraphModule (not yet normalized).
 
+    ``torch.compiler.is_compiling()`` answers True (library code takes its traceable path).
+    When the program asks it and then fails with an error of its own (transformers'
+    SwitchTransformers and LongT5 index an attention mask they create only on the eager
+    path), capture starts again with the answer False; if that fails too, fxad's error
+    there is raised (it names what to change), else the program's first error.
+
     A Python ``if`` on a random draw (LayerDrop) makes capture start again with the
     function that decides rewritten, its ``if`` recorded as ``torch.cond``
     (:mod:`fxad.capture.autograph`; at most ``MAX_RESTARTS`` times), or, where its
@@ -341,6 +348,28 @@ def capture(f: Callable | torch.nn.Module, example_inputs: Sequence[Any], *,
         CaptureError: an op fails on the example shapes, data-dependent control flow, etc.
         InputError: ``f`` does not take the keyword arguments of a :class:`KeywordCall`.
     """
+    with compiling_answer(True) as asked:
+        try:
+            return _capture_restarting(f, example_inputs, leaf_modules)
+        except Exception as e:  # noqa: BLE001 - re-raised unless the eager path serves
+            if not asked or program_error_of(e) is None:
+                raise
+            first = e
+    # the program asked is_compiling() and then failed on its traceable path (transformers'
+    # SwitchTransformers and LongT5 without an attention mask): its eager path, as eager runs
+    with compiling_answer(False):
+        try:
+            return _capture_restarting(f, example_inputs, leaf_modules)
+        except Exception as e:  # noqa: BLE001 - one of the two errors is reported
+            if program_error_of(e) is None:
+                raise  # fxad's own error on the eager path: it says what to change
+            raise first from None
+
+
+def _capture_restarting(f: Callable | torch.nn.Module, example_inputs: Sequence[Any],
+                        leaf_modules: Iterable[type]) -> fx.GraphModule:
+    """:func:`capture` with one answer to ``is_compiling()``: restarts for rewritten
+    functions and paths of random decisions."""
     patches: list[Any] = []
     attached = attached_graphs(f)
     sites: set[tuple[str, int]] = set()
