@@ -152,3 +152,51 @@ print("ok")
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_generated_modules_and_graphs_deep_copy():
+    """``copy.deepcopy`` of a generated module (and of its graph) gives a working copy that
+    prints the same code: fxad's code generator keeps no reference to its graph's nodes
+    (FX deep-copies a graph's code generator without the copy's memo)."""
+    import copy
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = fxad.grad(lambda x: m(x).sum(), x)
+    c = copy.deepcopy(g)
+    assert c.code == g.code
+    for a, b in zip(c(x)[1], g(x)[1]):
+        torch.testing.assert_close(a, b)
+    graph = copy.deepcopy(g.graph)
+    graph.lint()
+    assert graph.python_code("self").src == g.graph.python_code("self").src
+
+
+class _LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, h):
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < 0.5):
+                h = h + torch.tanh(layer(h))
+        return h.pow(2).sum()
+
+
+def test_a_model_trained_through_control_flow_deep_copies():
+    # the branches of its torch.cond stay on the model for the graphs built from it: a copy
+    # of the model (an EMA, a best checkpoint) must still be possible, and train alike
+    import copy
+
+    torch.manual_seed(0)
+    m = _LayerDrop().double().train()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    fxad.compile(m)(x).backward()
+    twin = copy.deepcopy(m)
+    for model in (m, twin):
+        model.zero_grad()
+        torch.manual_seed(1)
+        fxad.compile(model)(x).backward()
+    for p, q in zip(m.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

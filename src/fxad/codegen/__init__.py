@@ -29,6 +29,7 @@ from __future__ import annotations
 import operator
 import re
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -99,13 +100,33 @@ def _statement(lines: list[str]) -> str:
 
 
 class BodyTransformer:
-    """Callable installed as the graph's body transformer (see module docstring)."""
+    """Callable installed as the graph's body transformer (see module docstring).  It holds
+    its graph weakly, and code generation points it at the graph being generated: a graph
+    copied with ``copy.deepcopy`` (which copies its code generator without the memo of the
+    copy) shares no reference cycle with its original and prints its own nodes."""
 
     def __init__(self, graph: fx.Graph, *, annotate: Any = None) -> None:
         self.graph = graph
         self.annotate = annotate  # optional node -> str appended to its line (fxad.show)
 
+    @property
+    def graph(self) -> fx.Graph:
+        graph = self._graph()
+        if graph is None:  # pragma: no cover - a generator outliving its graph
+            raise RuntimeError("the graph this code generator belonged to is gone")
+        return graph
+
+    @graph.setter
+    def graph(self, graph: fx.Graph) -> None:
+        self._graph = weakref.ref(graph)
+
     def __call__(self, body: list[str]) -> list[str]:
+        try:
+            return self._transform(body)
+        finally:  # no node kept between generations (a deep copy would copy its graph)
+            self._by_name, self._first_fwd = {}, {}
+
+    def _transform(self, body: list[str]) -> list[str]:
         nodes = list(self.graph.nodes)
         self._by_name = {n.name: n for n in nodes}
         self._first_fwd: dict[str, str] = {}
@@ -325,6 +346,10 @@ def _gen_python_code(self: fx.graph.CodeGen, nodes: Any, *args: Any, **kwargs: A
     # the calls printed as their plain function, for the body transformer (which runs
     # inside FX's code generation, while the nodes are changed)
     self.__dict__["_fxad_plain"] = {n for n, new in changed if new[0] is not n.target}
+    graph = getattr(nodes, "graph", None)  # FX passes the graph's node list
+    transformer = getattr(self, "_body_transformer", None)
+    if isinstance(transformer, BodyTransformer) and isinstance(graph, fx.Graph):
+        transformer.graph = graph  # (a deep copy's generator still names the original)
     try:
         for n, new in changed:
             n.target, n._args, n._kwargs = new
