@@ -200,3 +200,42 @@ def test_a_model_trained_through_control_flow_deep_copies():
         fxad.compile(model)(x).backward()
     for p, q in zip(m.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_control_flow_module_saves_with_to_folder_and_torch_save(tmp_path):
+    # the branch graphs (kept on the model and the generated module) pickle without fxad's
+    # build-time records: to_folder's saved submodules and torch.save of the model work
+    import io
+
+    torch.manual_seed(0)
+    m = _LayerDrop().double().train()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = fxad.grad(m, x)
+    folder = tmp_path / "saved"
+    g.to_folder(folder, "Saved")
+    torch.manual_seed(5)
+    expected = g(x)
+    torch.save({"x": x, "expected": expected}, tmp_path / "data.pt")
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(tmp_path)!r})
+from saved import Saved
+data = torch.load({str(tmp_path / 'data.pt')!r}, weights_only=False)
+torch.manual_seed(5)
+out = Saved()(data["x"])
+torch.testing.assert_close(out[0], data["expected"][0])
+torch.testing.assert_close(out[1][0], data["expected"][1][0])
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.manual_seed(2)
+    want = m(x)
+    torch.manual_seed(2)
+    torch.testing.assert_close(loaded(x), want)

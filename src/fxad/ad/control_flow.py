@@ -26,12 +26,34 @@ import torch.fx as fx
 
 from .. import ops
 from ..capture.control import draws_in, updates_buffer
-from ..graph.proxy import fetch_attr, to_fake
+from ..graph.proxy import attach, fetch_attr, to_fake
 from ..rules.registry import Rule
 from .node_rules import register_node_rule
 from .transform import body_jvp, body_vjp
 
 _CACHE_KEY = "_fxad_control_derivatives"
+
+
+class _Cache(dict):
+    """What is derived from a branch graph module and kept on it (in its ``__dict__``: a
+    module's ``meta`` is copied into the modules built from it): its VJP and JVP per example
+    shapes, its recompute form, which may be the module itself.  Rebuilt on demand, so a
+    pickled or deep-copied module (``GraphModule.to_folder`` saves its submodules with
+    ``torch.save``) gets an empty one: a ``GraphModule`` pickles its ``__dict__``, in which a
+    reference to itself would recurse without end."""
+
+    def __reduce__(self) -> tuple:
+        return (_Cache, ())
+
+    def __deepcopy__(self, memo: dict) -> "_Cache":
+        return _Cache()
+
+
+def _cache(gm: fx.GraphModule) -> _Cache:
+    cache = gm.__dict__.get(_CACHE_KEY)
+    if not isinstance(cache, _Cache):
+        cache = gm.__dict__[_CACHE_KEY] = _Cache()
+    return cache
 
 
 def is_control_flow(node: fx.Node) -> bool:
@@ -53,26 +75,16 @@ def _attach(em: Any, gm: fx.GraphModule, stem: str) -> Any:
     """Keep a generated derivative module on the graph's root (and on the user's module the
     root stands for, which the generated module is built on: a plain attribute, not a
     registered submodule) and read it with a ``get_attr`` node."""
-    roots = [em.root]
     meta = getattr(em.root, "meta", None)
     src = meta.get("fxad_source_module") if isinstance(meta, dict) else None
-    if src is not None and src is not em.root:
-        roots.append(src)
-    k = 0
-    while any(hasattr(r, f"_fxad_{stem}_{k}") for r in roots):
-        k += 1
-    name = f"_fxad_{stem}_{k}"
-    for r in roots:
-        object.__setattr__(r, name, gm)
-    return em.create_proxy("get_attr", name, (), {})
+    others = (src,) if src is not None and src is not em.root else ()
+    return em.create_proxy("get_attr", attach(em.root, stem, gm, others), (), {})
 
 
 def _derivative(kind: str, gm: fx.GraphModule, examples: tuple, cache_on: Any) -> fx.GraphModule:
     """The VJP (``kind="vjp"``) or JVP of a captured subgraph, built once per subgraph by
     the engine entry (:func:`fxad.ad.transform.body_vjp` / :func:`~fxad.ad.transform.body_jvp`)."""
-    # kept on the module object itself (a module's ``meta`` is copied into the modules built
-    # from it, so it cannot hold a per-module cache)
-    cache = gm.__dict__.setdefault(_CACHE_KEY, {})
+    cache = _cache(gm)
     key = (kind,) + tuple((tuple(str(n) for n in v.shape), v.dtype)  # sizes may be SymInts
                           if isinstance(v, torch.Tensor) else repr(v) for v in examples)
     if key not in cache:
@@ -86,9 +98,9 @@ def recompute_form(gm: fx.GraphModule) -> fx.GraphModule:
     ``batch_norm`` given no running statistics: the same output, computed from the batch),
     in nested branches too, so that a backward leaves the buffers as eager PyTorch does
     (updated once, by the forward).  ``gm`` itself when it updates nothing."""
-    got = gm.__dict__.get("_fxad_recompute_form")
-    if got is not None:
-        return got
+    cache = _cache(gm)
+    if "recompute" in cache:
+        return cache["recompute"]
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
@@ -119,12 +131,12 @@ def recompute_form(gm: fx.GraphModule) -> fx.GraphModule:
             n.args, n.kwargs = tuple(args), kwargs
             changed = True
     if not changed:
-        gm.__dict__["_fxad_recompute_form"] = gm
+        cache["recompute"] = gm
         return gm
     graph.eliminate_dead_code()
     new_gm = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
     new_gm.meta.update(gm.meta)
-    gm.__dict__["_fxad_recompute_form"] = new_gm
+    cache["recompute"] = new_gm
     return new_gm
 
 

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..graph.proxy import fake_mode, fetch_attr, to_fake, user_source_loc
+from ..graph.proxy import attach, fake_mode, fetch_attr, to_fake, user_source_loc
 from ..simplify._util import draws_random
 from ..ops import cond as cond_op
 from ..ops import scan as scan_op
@@ -121,12 +121,7 @@ def _refuse_buffer_writes(gm: fx.GraphModule, what: str) -> None:
 def _attach(cap: Any, gm: fx.GraphModule, stem: str) -> fx.Node:
     """Keep ``gm`` on the captured root (a plain attribute, not a registered submodule of
     the user's module) and return a ``get_attr`` node for it."""
-    root = cap.root
-    k = 0
-    while hasattr(root, f"_fxad_{stem}_{k}"):
-        k += 1
-    name = f"_fxad_{stem}_{k}"
-    object.__setattr__(root, name, gm)
+    name = attach(cap.root, stem, gm)
     node = cap.graph.create_node("get_attr", name, (), {})
     node.meta["val"] = gm  # what fake execution of the control-flow node calls
     return node

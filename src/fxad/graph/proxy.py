@@ -599,3 +599,36 @@ def take_name(node: fx.Node, name: str) -> None:
     except AttributeError:  # pragma: no cover - other torch versions
         pass
     node._rename(name)
+
+
+class AttachedMeta(dict):
+    """The ``meta`` of a graph module fxad keeps as a plain attribute of another module (the
+    branches of a ``torch.cond`` and their derivatives, kept on the user's module and on the
+    generated modules built on it): fxad's build-time records (closures that rebuild, the
+    captured forward, input specs), which neither pickling nor copying needs.  A pickled
+    module (``torch.save(model)``, ``GraphModule.to_folder``) gets none, so the module
+    holding it pickles; a deep copy shares the records instead of copying the graphs in
+    them."""
+
+    def __reduce__(self) -> tuple:
+        return (dict, ())
+
+    def __deepcopy__(self, memo: dict) -> "AttachedMeta":
+        return AttachedMeta(self)
+
+
+def attach(root: torch.nn.Module, stem: str, gm: torch.fx.GraphModule,
+           others: tuple = ()) -> str:
+    """Keep ``gm`` on ``root`` (and on each of ``others``) as the plain attribute (not a
+    registered submodule) ``_fxad_<stem>_<k>``, ``k`` the first free on all of them; its
+    ``meta`` becomes an :class:`AttachedMeta`.  Returns the attribute's name."""
+    roots = (root, *others)
+    k = 0
+    while any(hasattr(r, f"_fxad_{stem}_{k}") for r in roots):
+        k += 1
+    name = f"_fxad_{stem}_{k}"
+    if not isinstance(gm.meta, AttachedMeta):
+        gm.meta = AttachedMeta(gm.meta)
+    for r in roots:
+        object.__setattr__(r, name, gm)
+    return name
