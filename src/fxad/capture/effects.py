@@ -221,20 +221,17 @@ def _formatting_frame() -> Any:
 
 
 def formats_a_value(cap: Any, method: str, args: tuple) -> bool:
-    """``format(t, spec)`` of a 0-d integer or boolean traced tensor in the program's own
-    code, into text the program uses otherwise than printing it (a module's name:
-    ``self[f"expert_{i}"]`` in SwitchTransformers' experts;
-    :func:`fxad.capture.printed.printed_text`): a value of the program, whose text the
-    capture takes from the real value, as a decision guarded on every call
-    (:func:`fxad.capture.decisions.decide`).  A floating-point value formatted into text
-    (a message for a warning or an exception) keeps the marker of :func:`formatted`."""
+    """``format(t, spec)`` of a 0-d integer or boolean traced tensor in the program's code,
+    into text it uses otherwise than printing (:func:`fxad.capture.printed.printed_text`;
+    ``self[f"expert_{i}"]`` in SwitchTransformers): a value of the program, its text taken
+    from the real value as a guarded decision (:func:`fxad.capture.decisions.decide`).  A
+    float formatted into text (a warning's message) keeps the marker of :func:`formatted`."""
     t = args[0] if args else None
     if method != "__format__" or not isinstance(t, torch.Tensor) or t.dim() != 0 \
             or t.is_floating_point() or t.is_complex() or id(t) not in cap.env \
             or cap.lift is not None:
         return False
-    frame = _formatting_frame()
-    return frame is not None and not printed_text(frame)
+    return (frame := _formatting_frame()) is not None and not printed_text(frame)
 
 
 def formatted(cap: Any, method: str, args: tuple) -> str | None:
