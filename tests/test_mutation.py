@@ -86,7 +86,33 @@ def p_mutates_input_view(x, v):
     return (x * x).sum()
 
 
+def p_einsum_view_sees_its_operand_change(x):
+    # torch.einsum returns a view of its operand for a permutation: the copy into the
+    # operand changes the view (a program of the random-program fuzzer)
+    y = x.square()
+    t = torch.einsum("ij->ji", y)
+    y.copy_(x * 3)
+    return t * x.t()
+
+
+def p_write_into_einsum_diagonal(x):
+    y = x * 1
+    torch.einsum("ii->i", y).mul_(2)  # the diagonal, a view of y
+    return y.sin()
+
+
+def p_write_into_broadcast_item(x, v):
+    a, b = torch.broadcast_tensors(x * 1, v * 1)  # b views v * 1 (expanded: read only)
+    c = v * 1
+    _, d = torch.broadcast_tensors(x, c)
+    c.add_(1.0)
+    return a * b + d
+
+
 PROGRAMS = [
+    (p_einsum_view_sees_its_operand_change, [(3, 3)]),
+    (p_write_into_einsum_diagonal, [(3, 3)]),
+    (p_write_into_broadcast_item, [(4, 3), (3,)]),
     (p_view_add, [(4, 3)]), (p_transpose_mul, [(3, 3)]), (p_column_iadd, [(4, 3), (4,)]),
     (p_view_setitem, [(4, 3)]), (p_slices_and_diagonal, [(4, 4)]),
     (p_chain_of_views, [(4, 3)]), (p_select_and_narrow, [(3, 4)]),

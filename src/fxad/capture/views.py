@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
 
 from ..errors import InplaceError
 from ..graph.proxy import compute_meta, describe_target, user_source_loc
@@ -85,22 +86,23 @@ def root_of(cap: Any, t: Any) -> Any:
 
 
 def note_views(cap: Any, out: Any, kind: str, target: Any, args: tuple, kwargs: dict) -> None:
-    """Remember how outputs that are views of ``args[0]`` are computed from it, so that
-    they can be rebuilt after a mutation of the storage they share, and a mutation of
-    them written back into their base."""
-    if not args or not isinstance(args[0], FakeTensor) or id(args[0]) not in cap.env:
+    """Remember how outputs that are views of a tensor argument (``args[0]`` for most view
+    ops; an operand of ``torch.einsum('ij->ji', x)``, which returns a view for a
+    permutation or a diagonal; an item of ``torch.broadcast_tensors(a, b)``) are computed
+    from it, so that they can be rebuilt after a mutation of the storage they share, and a
+    mutation of them written back into their base."""
+    bases = [a for a in pytree.tree_leaves((args, kwargs))
+             if isinstance(a, FakeTensor) and id(a) in cap.env]
+    if not bases:
         return
-    base = args[0]
     step = (kind, target, args, kwargs)
-    if isinstance(out, torch.Tensor):
-        if _is_view_of(out, base):
-            cap.parent[id(out)] = (base, step + (None,))
-            cap.seen[id(out)] = cap.version.get(id(root_of(cap, base)), 0)
-    elif isinstance(out, (tuple, list)):
-        for i, o in enumerate(out):
-            if isinstance(o, torch.Tensor) and _is_view_of(o, base):
-                cap.parent[id(o)] = (base, step + (i,))
-                cap.seen[id(o)] = cap.version.get(id(root_of(cap, base)), 0)
+    items = [(None, out)] if isinstance(out, torch.Tensor) else \
+        list(enumerate(out)) if isinstance(out, (tuple, list)) else []
+    for i, o in items:
+        base = next((b for b in bases if _is_view_of(o, b)), None)
+        if base is not None:
+            cap.parent[id(o)] = (base, step + (i,))
+            cap.seen[id(o)] = cap.version.get(id(root_of(cap, base)), 0)
 
 
 def replay(cap: Any, t: Any) -> fx.Node:
@@ -168,6 +170,8 @@ def _scatter(cap: Any, step: tuple, par_node: fx.Node, new: fx.Node, par: Any, c
     """The parent's new value when its view ``child`` (made by ``step``) becomes
     ``new``."""
     kind, target, args, kwargs, item = step
+    if not args or args[0] is not par:  # a view of another argument (einsum's operand)
+        return _scatter_by_positions(cap, step, par_node, new, par, what)
     name = target if kind == "call_method" else getattr(target, "__name__", "")
     rest = cap.arg(tuple(args[1:]), what)
     kw = cap.arg(dict(kwargs), what)
@@ -243,8 +247,11 @@ def _scatter_by_positions(cap: Any, step: tuple, par_node: fx.Node, new: fx.Node
     positions = cap.emit("call_function", torch.arange, (par.numel(),),
                          {"device": par.device})
     positions = cap.emit("call_function", torch.reshape, (positions, tuple(par.shape)))
-    rest = cap.arg(tuple(args[1:]), what)
-    view = cap.emit(kind, target, (positions,) + tuple(rest), cap.arg(dict(kwargs), what))
+    # the same call with the parent's positions in its place (wherever the argument is)
+    call_args, call_kwargs = pytree.tree_map(
+        lambda a: positions if a is par else cap.arg(a, what) if isinstance(a, torch.Tensor)
+        else a, (tuple(args), dict(kwargs)))
+    view = cap.emit(kind, target, call_args, call_kwargs)
     if item is not None:
         view = cap.emit("call_function", operator.getitem, (view, item))
     flat_pos = cap.emit("call_function", torch.reshape, (view, (-1,)))
