@@ -544,3 +544,59 @@ def test_bound_fills_defaults():
     p, t = _bound(lambda input, p=0.5, training=True: None, (1,), (2,))
     assert p == {"input": 1, "p": 0.5, "training": True}
     assert t == {"input": 2, "p": None, "training": None}
+
+
+class _NormThenTokens(nn.Module):
+    """A batch norm whose cotangent comes back through ``flatten(2).transpose(1, 2)`` and a
+    layer norm (timm's EfficientFormer): at batch 1 the cotangent's strides on the size-1
+    batch dimension are not the canonical channels-last ones."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+        self.bn = nn.BatchNorm2d(c)
+        self.gamma = nn.Parameter(torch.randn(c))
+        self.ln = nn.LayerNorm(c)
+
+    def forward(self, x):
+        x = x + self.bn(self.conv(x)) * self.gamma.view(1, -1, 1, 1)
+        tokens = self.ln(x.flatten(2).transpose(1, 2))
+        return (tokens * torch.linspace(-1, 2, tokens.shape[-1], dtype=x.dtype)).pow(2).sum()
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 7, 7), (2, 16, 5, 5)])
+def test_batch_norm_kernel_gets_canonical_strides(shape):
+    """PyTorch's CPU native_batch_norm_backward is wrong for a channels-last cotangent with
+    a non-canonical stride on a size-1 dimension beside a row-major input (eager autograd
+    included, torch 2.13): fxad's derivative must match finite differences there."""
+    torch.manual_seed(0)
+    m = _NormThenTokens(shape[1]).double().train()
+    x = torch.randn(shape, dtype=DT)
+    state = copy.deepcopy(m.state_dict())
+    trained = copy.deepcopy(m)
+    _, (d_x,), _ = fxad.grad(m, x)(x)
+    u = torch.randn(shape, dtype=DT)
+    eps = 1e-6
+    m.load_state_dict(state)
+    up = m(x + eps * u).item()
+    m.load_state_dict(state)
+    down = m(x - eps * u).item()
+    fd = (up - down) / (2 * eps)
+    assert abs((d_x * u).sum().item() - fd) <= 1e-6 * abs(fd)
+    xr = x.clone().requires_grad_()  # the training path's kernel too
+    fxad.compile(trained)(xr).backward()
+    assert abs((xr.grad * u).sum().item() - fd) <= 1e-6 * abs(fd)
+
+
+def test_canonical_layout_copies_only_odd_channels_last_strides():
+    from fxad.ops import canonical_layout
+    base = torch.randn(49 * 8, dtype=DT)
+    odd = base.as_strided((1, 8, 7, 7), (8, 1, 56, 8))  # batch stride 8, not 392
+    fixed = canonical_layout(odd)
+    assert fixed.stride() == (392, 1, 56, 8) and torch.equal(fixed, odd)
+    canon = torch.randn(1, 7, 7, 8, dtype=DT).permute(0, 3, 1, 2)
+    assert canonical_layout(canon) is canon
+    rowmajor = torch.randn(1, 8, 7, 7, dtype=DT)
+    assert canonical_layout(rowmajor) is rowmajor
+    flat = torch.randn(3, 4, dtype=DT)
+    assert canonical_layout(flat) is flat

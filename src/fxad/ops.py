@@ -302,6 +302,32 @@ def scan_jvp(body_jvp: Any, init: tuple, xs: tuple, additional: tuple, dim: int,
     return (c, _stack(rows, dim)), (tc, _stack(trows, dim))
 
 
+def canonical_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a 4-D or 5-D tensor laid out channels-last, and not row-major), or a copy of it
+    with the strides ``torch.empty(..., memory_format=torch.channels_last)`` (``_3d``) gives
+    where a size-1 dimension has another stride.  PyTorch's CPU
+    ``native_batch_norm_backward`` returns wrong values (off by far more than rounding) when
+    the cotangent or the input has such strides and the other does not (torch 2.13, eager
+    autograd included); which strides a size-1 dimension gets differs between fake and
+    real tensors, so the check runs on every call.
+
+    Args:
+        t: a tensor of any dtype and device.
+
+    Returns:
+        ``t`` itself, or a copy with the same shape, values, dtype and device.
+    """
+    if isinstance(t, torch.fx.Proxy):  # called by a rule while writing graph code
+        return t.tracer.create_proxy("call_function", canonical_layout, (t,), {})
+    if t.dim() not in (4, 5) or t.is_contiguous():
+        return t
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    if not t.is_contiguous(memory_format=fmt):
+        return t
+    want = torch.empty(t.shape, device="meta", memory_format=fmt).stride()
+    return t if t.stride() == want else torch.clone(t, memory_format=fmt)
+
+
 def _floating(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
@@ -315,6 +341,9 @@ def _register_builtins() -> None:
     _register_custom_builtin("fxad_autograd_function",
                              "from fxad.ops import autograd_function as fxad_autograd_function",
                              autograd_function)
+    _register_custom_builtin("fxad_canonical_layout",
+                             "from fxad.ops import canonical_layout as fxad_canonical_layout",
+                             canonical_layout)
     for name, fn in (("cond", cond), ("rng_state", rng_state), ("program_error", program_error),
                      ("while_loop", while_loop), ("while_loop_vjp", while_loop_vjp),
                      ("while_loop_jvp", while_loop_jvp), ("scan", scan), ("scan_vjp", scan_vjp),

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .._base import pnorm_grad, randn, uniform, _add, _t
 from ..registry import register_vjp
+from ...ops import canonical_layout
 from ._common import _aten, _bound, _mul
 
 
@@ -243,11 +244,28 @@ class BatchNormFused:
     def bwd(aux, d):
         x, w, has_bias, rm, rv, save_mean, save_invstd, training, eps = aux
         d_x, d_w, d_b = torch.ops.aten.native_batch_norm_backward(
-            d, x, w, rm, rv, save_mean, save_invstd, training, eps,
-            [True, w is not None, has_bias])
+            _kernel_layout(d), _kernel_layout(x), w, rm, rv, save_mean, save_invstd,
+            training, eps, [True, w is not None, has_bias])
         return d_x, None, None, d_w, d_b
 
     jvp = BatchNorm.jvp
+
+
+def _kernel_layout(t: Any) -> Any:
+    """``t`` as PyTorch's CPU ``native_batch_norm_backward`` computes it right: a value laid
+    out channels-last at build time goes through :func:`fxad.ops.canonical_layout` (a stride
+    on a size-1 dimension other than the canonical one gives wrong values: timm's
+    EfficientFormer at batch 1, whose layer norm after ``flatten(2).transpose(1, 2)`` hands
+    its batch norm a cotangent of strides ``(448, 1, 3136, 448)`` for shape
+    ``(1, 448, 7, 7)``); a row-major one is passed as it is."""
+    if t.dim() not in (4, 5):
+        return t
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    try:
+        laid_out = not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
+    except Exception:  # noqa: BLE001 - symbolic sizes it cannot decide: check on every call
+        laid_out = True
+    return canonical_layout(t) if laid_out else t
 
 
 @register_vjp(F.normalize)
