@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._prims_common import make_channels_last_strides_for
 
 
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
@@ -304,8 +305,9 @@ def scan_jvp(body_jvp: Any, init: tuple, xs: tuple, additional: tuple, dim: int,
 
 def canonical_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a 4-D or 5-D tensor laid out channels-last, and not row-major), or a copy of it
-    with the strides ``torch.empty(..., memory_format=torch.channels_last)`` (``_3d``) gives
-    where a size-1 dimension has another stride.  PyTorch's CPU
+    with the canonical channels-last strides (``make_channels_last_strides_for``, as
+    ``torch.empty(..., memory_format=torch.channels_last)`` gives them) where a size-1
+    dimension has another stride.  PyTorch's CPU
     ``native_batch_norm_backward`` returns wrong values (off by far more than rounding) when
     the cotangent or the input has such strides and the other does not (torch 2.13, eager
     autograd included); which strides a size-1 dimension gets differs between fake and
@@ -324,7 +326,7 @@ def canonical_layout(t: torch.Tensor) -> torch.Tensor:
     fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
     if not t.is_contiguous(memory_format=fmt):
         return t
-    want = torch.empty(t.shape, device="meta", memory_format=fmt).stride()
+    want = tuple(make_channels_last_strides_for(t.shape))
     return t if t.stride() == want else torch.clone(t, memory_format=fmt)
 
 
